@@ -1,0 +1,149 @@
+//! The `FencedLease` custom resource (`fencedlease.io/v1alpha1`).
+//!
+//! Doc comments on these types are user-facing: they become the `kubectl explain` text.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of every fencedlease resource.
+pub const GROUP: &str = "fencedlease.io";
+/// Default `spec.leaseDurationSeconds`.
+pub const DEFAULT_LEASE_DURATION_SECONDS: i32 = 15;
+/// Bounds of `spec.leaseDurationSeconds`, enforced by the CRD schema.
+pub const MIN_LEASE_DURATION_SECONDS: i32 = 1;
+pub const MAX_LEASE_DURATION_SECONDS: i32 = 3600;
+
+fn default_lease_duration_seconds() -> i32 {
+    DEFAULT_LEASE_DURATION_SECONDS
+}
+
+/// The desired owner of a FencedLease. Every change here (taking, releasing or handing over the
+/// lease) increases `metadata.generation`, which is the fencing token.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "fencedlease.io",
+    version = "v1alpha1",
+    kind = "FencedLease",
+    plural = "fencedleases",
+    singular = "fencedlease",
+    shortname = "flease",
+    namespaced,
+    status = "FencedLeaseStatus",
+    doc = "A lease with a fencing token: at most one holder at a time, and a token that strictly increases on every change of holder. Ownership changes are written to the spec, so metadata.generation increases with each one: that generation is the fencing token. Renewals are written to the status subresource and never change the token. Send the token with every write to the resource you protect, and let the resource refuse tokens lower than the highest it has seen.",
+    printcolumn = r#"{"name":"Holder","type":"string","jsonPath":".spec.holderIdentity","description":"Who holds the lease now"}"#,
+    printcolumn = r#"{"name":"Token","type":"integer","jsonPath":".status.token","description":"Fencing token of the current holder (metadata.generation at acquisition)"}"#,
+    printcolumn = r#"{"name":"Duration","type":"integer","jsonPath":".spec.leaseDurationSeconds","description":"Lease duration in seconds"}"#,
+    printcolumn = r#"{"name":"Renewed","type":"date","jsonPath":".status.renewTime","description":"When the holder last renewed"}"#,
+    printcolumn = r#"{"name":"Expires","type":"date","jsonPath":".status.expiryTime","description":"When the lease expires unless renewed, as the controller sees it"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct FencedLeaseSpec {
+    /// Identity of the current holder. Empty or absent means the lease is free. Candidates set
+    /// it to take the lease (with a resourceVersion precondition), and clear it to release the
+    /// lease; each such change increases metadata.generation, which is the fencing token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_identity: Option<String>,
+
+    /// How long the lease stays valid without a renewal, in seconds (1 to 3600, default 15).
+    /// Candidates take over a lease whose holder has not renewed for this long, measured on
+    /// their own clocks; the holder stops acting as leader a safety margin earlier.
+    #[serde(default = "default_lease_duration_seconds")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub lease_duration_seconds: i32,
+
+    /// Identity of a candidate that should hold the lease. When set to someone other than the
+    /// holder, the holder steps down and this candidate gets the first chance to acquire the
+    /// lease (a handover). Other candidates wait one lease duration before they compete.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preferred_holder: Option<String>,
+}
+
+impl FencedLeaseSpec {
+    /// A spec with the documented defaults: free, 15 s lease, no preferred holder.
+    pub fn free() -> Self {
+        FencedLeaseSpec {
+            holder_identity: None,
+            lease_duration_seconds: DEFAULT_LEASE_DURATION_SECONDS,
+            preferred_holder: None,
+        }
+    }
+}
+
+/// The observed state of a FencedLease, kept by the holder (renewals) and by the controller
+/// (conditions, expiry, transitions).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FencedLeaseStatus {
+    /// The holder that `token` belongs to. Written by the holder when it acquires and renews.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_identity: Option<String>,
+
+    /// The fencing token of the current holder: the metadata.generation its acquisition
+    /// produced. Protected writes must carry exactly this token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<i64>,
+
+    /// When the current holder acquired the lease (the holder's clock; informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acquire_time: Option<MicroTime>,
+
+    /// When the current holder last renewed (the holder's clock; informational). Candidates
+    /// never compare it with their own clock: they only notice that it changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew_time: Option<MicroTime>,
+
+    /// When the lease expires unless renewed, as the controller observes it (the controller's
+    /// clock; informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expiry_time: Option<Time>,
+
+    /// How many times the lease has changed hands.
+    #[serde(default)]
+    pub lease_transitions: i64,
+
+    /// The metadata.generation this status was last reconciled against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// The lease's state in the Kubernetes style. Types: `Held` (someone holds a valid lease),
+    /// `Expired` (the holder stopped renewing), `Released` (the lease is free).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// One aspect of a FencedLease's state.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// The kind of condition: Held, Expired or Released.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// True, False or Unknown.
+    pub status: String,
+    /// A CamelCase word for why the condition last changed.
+    pub reason: String,
+    /// A sentence for people on why the condition last changed.
+    #[serde(default)]
+    pub message: String,
+    /// When the condition last changed status.
+    pub last_transition_time: Time,
+    /// The metadata.generation the condition was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+impl FencedLease {
+    /// The fencing token: `metadata.generation`, which the API server increases on every spec
+    /// change (and so on every change of holder).
+    pub fn token(&self) -> Option<i64> {
+        self.metadata.generation
+    }
+
+    /// The current holder, treating an empty string as none.
+    pub fn holder(&self) -> Option<&str> {
+        self.spec.holder_identity.as_deref().filter(|h| !h.is_empty())
+    }
+}

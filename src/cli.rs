@@ -1,0 +1,38 @@
+//! Command-line interface: one binary, one subcommand per role.
+
+use std::io::Write;
+
+use clap::{Parser, Subcommand};
+
+/// Leader election for Kubernetes workloads with fencing tokens the protected resource enforces.
+#[derive(Debug, Parser)]
+#[command(name = "fencedlease", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the FencedLease CustomResourceDefinition as YAML (what `crds/` holds).
+    Crd,
+    /// Run a command only while this process holds a FencedLease, with the fencing token in
+    /// FENCEDLEASE_TOKEN; stop it as soon as leadership is lost; release when it exits.
+    Campaign(crate::campaign::CampaignArgs),
+    /// Run the controller: keeps FencedLease status true, revokes expired leases, emits
+    /// Events. Several replicas may run; one is active.
+    Controller(crate::controller::ControllerArgs),
+}
+
+/// Runs the chosen subcommand.
+pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    match cli.command {
+        Command::Crd => {
+            let yaml = crate::crdgen::crd_yaml()?;
+            std::io::stdout().lock().write_all(yaml.as_bytes())?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Campaign(args) => crate::campaign::run(args).await,
+        Command::Controller(args) => crate::controller::run(args).await,
+    }
+}

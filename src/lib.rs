@@ -1,0 +1,14 @@
+//! fencedlease: Kubernetes leader election with fencing tokens that the protected resource
+//! enforces.
+//!
+//! - [`api`]: the `FencedLease` custom resource; its `metadata.generation` is the fencing token.
+//! - [`crdgen`]: the CRD YAML generated from those types.
+//! - [`cli`]: the `fencedlease` command's subcommands.
+
+pub mod api;
+pub mod campaign;
+pub mod cli;
+pub mod controller;
+pub mod crdgen;
+pub mod lease;
+pub mod metrics;
