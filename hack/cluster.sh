@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# A real local Kubernetes control plane on loopback: etcd, kube-apiserver and
+# kube-controller-manager (namespaces, garbage collection). No node: pods are stored, not run.
+#
+#   hack/cluster.sh up        start it (idempotent: a healthy cluster is kept; a broken or
+#                             crashed one is cleaned up and started afresh)
+#   hack/cluster.sh down      stop every process and free the ports (logs are kept)
+#   hack/cluster.sh status    say whether it answers
+#   hack/cluster.sh env       print `export KUBECONFIG=...` for eval
+#
+# Everything lives in $FENCEDLEASE_CLUSTER_DIR (default /tmp/fencedlease-cluster):
+#   kubeconfig, pki/, logs/{etcd,kube-apiserver,kube-controller-manager}.log, pids/.
+# Ports (override with the variables): etcd $FL_ETCD_PORT (12379) and $FL_ETCD_PEER_PORT
+# (12380), kube-apiserver $FL_APISERVER_PORT (16443), controller-manager $FL_KCM_PORT (16257).
+set -euo pipefail
+# shellcheck source=hack/lib.sh
+source "$(dirname "$0")/lib.sh"
+
+DIR="$FL_CLUSTER_DIR"
+ETCD_PORT="${FL_ETCD_PORT:-12379}"
+ETCD_PEER_PORT="${FL_ETCD_PEER_PORT:-12380}"
+API_PORT="${FL_APISERVER_PORT:-16443}"
+KCM_PORT="${FL_KCM_PORT:-16257}"
+KUBECONFIG_PATH="$DIR/kubeconfig"
+COMPONENTS=(kube-controller-manager kube-apiserver etcd)
+
+healthy() {
+  [ -f "$KUBECONFIG_PATH" ] && [ -f "$DIR/pki/admin.token" ] || return 1
+  curl -fsS --max-time 2 --cacert "$DIR/pki/ca.crt" \
+    -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" \
+    "https://127.0.0.1:$API_PORT/readyz" >/dev/null 2>&1
+}
+
+stop_pid() { # NAME PID
+  local name="$1" pid="$2"
+  kill -0 "$pid" 2>/dev/null || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  log "$name (pid $pid) did not stop within 10 s: SIGKILL"
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+down() {
+  local any=0
+  for c in "${COMPONENTS[@]}"; do
+    if [ -f "$DIR/pids/$c" ]; then
+      stop_pid "$c" "$(cat "$DIR/pids/$c")"
+      rm -f "$DIR/pids/$c"
+      any=1
+    fi
+  done
+  # Strays from a crashed run: every component has $DIR in its command line.
+  local strays
+  strays=$(pgrep -f -- "$DIR/" || true)
+  for pid in $strays; do
+    [ "$pid" = $$ ] && continue
+    ps -o args= -p "$pid" 2>/dev/null | grep -qE '(^|/)(etcd|kube-apiserver|kube-controller-manager) ' || continue
+    stop_pid "stray process" "$pid"
+    any=1
+  done
+  [ $any = 1 ] && log "local Kubernetes stopped (logs kept in $DIR/logs)"
+  return 0
+}
+
+wait_for() { # LABEL TIMEOUT_S LOGFILE CMD...
+  local label="$1" timeout="$2" logfile="$3"; shift 3
+  local start=$SECONDS next=5
+  until "$@" >/dev/null 2>&1; do
+    if [ $((SECONDS - start)) -ge "$timeout" ]; then
+      tail -n 20 "$logfile" >&2 || true
+      die "$label did not become ready within $timeout s; log: $logfile (try: hack/cluster.sh down && hack/cluster.sh up)"
+    fi
+    if [ $((SECONDS - start)) -ge $next ]; then
+      log "waiting for $label ($((SECONDS - start)) s)"
+      next=$((next + 5))
+    fi
+    sleep 0.5
+  done
+  log "$label ready after $((SECONDS - start)) s"
+}
+
+port_free() { ! ss -ltnH "sport = :$1" 2>/dev/null | grep -q .; }
+
+start() { # NAME CMD... : run in its own session, output to logs/NAME.log
+  local name="$1"; shift
+  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$DIR/pids/$name"
+}
+
+pki() {
+  local p="$DIR/pki"
+  mkdir -p "$p"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=fencedlease-local-ca" \
+    -keyout "$p/ca.key" -out "$p/ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=kube-apiserver" \
+    -keyout "$p/apiserver.key" -out "$p/apiserver.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n' >"$p/apiserver.ext"
+  openssl x509 -req -in "$p/apiserver.csr" -CA "$p/ca.crt" -CAkey "$p/ca.key" -CAcreateserial \
+    -days 3650 -extfile "$p/apiserver.ext" -out "$p/apiserver.crt" 2>/dev/null
+  openssl genrsa -out "$p/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$p/sa.key" -pubout -out "$p/sa.pub" 2>/dev/null
+  head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$p/admin.token"
+  # TOKEN,USER,UID,GROUPS. The admin is cluster-admin; other lines are test identities.
+  {
+    echo "$(cat "$p/admin.token"),admin,uid-admin,\"system:masters\""
+  } >"$p/tokens.csv"
+}
+
+kubeconfig() {
+  cat >"$KUBECONFIG_PATH" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: fencedlease-local
+  cluster:
+    server: https://127.0.0.1:$API_PORT
+    certificate-authority-data: $(base64 -w0 <"$DIR/pki/ca.crt")
+users:
+- name: admin
+  user:
+    token: $(cat "$DIR/pki/admin.token")
+contexts:
+- name: fencedlease-local
+  context: {cluster: fencedlease-local, user: admin, namespace: default}
+current-context: fencedlease-local
+KC
+  chmod 600 "$KUBECONFIG_PATH"
+}
+
+up() {
+  if healthy; then
+    log "local Kubernetes already running: export KUBECONFIG=$KUBECONFIG_PATH"
+    return 0
+  fi
+  down
+  command -v curl >/dev/null && command -v openssl >/dev/null && command -v ss >/dev/null ||
+    apt_install curl openssl iproute2
+  local bins
+  bins=$("$FL_REPO/hack/k8s-binaries.sh")
+  for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT"; do
+    port_free "$port" || die "port $port on 127.0.0.1 is taken by another program (see: ss -ltnp 'sport = :$port'); stop it or set FL_*_PORT"
+  done
+  rm -rf "$DIR/etcd" "$DIR/pki" "$DIR/pids"
+  mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd"
+  chmod 700 "$DIR/etcd"
+  pki
+  log "starting etcd on 127.0.0.1:$ETCD_PORT"
+  start etcd "$bins/etcd" --name=fencedlease --data-dir="$DIR/etcd" \
+    --listen-client-urls="http://127.0.0.1:$ETCD_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster="fencedlease=http://127.0.0.1:$ETCD_PEER_PORT" --listen-metrics-urls="" \
+    --unsafe-no-fsync=false --quota-backend-bytes=4294967296
+  wait_for etcd 60 "$DIR/logs/etcd.log" curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
+
+  log "starting kube-apiserver on 127.0.0.1:$API_PORT"
+  start kube-apiserver "$bins/kube-apiserver" \
+    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --secure-port="$API_PORT" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --insecure-port=0 \
+    --cert-dir="$DIR/pki" --tls-cert-file="$DIR/pki/apiserver.crt" --tls-private-key-file="$DIR/pki/apiserver.key" \
+    --client-ca-file="$DIR/pki/ca.crt" \
+    --service-cluster-ip-range=10.0.0.0/24 --authorization-mode=RBAC \
+    --token-auth-file="$DIR/pki/tokens.csv" \
+    --service-account-issuer=https://kubernetes.default.svc \
+    --service-account-key-file="$DIR/pki/sa.pub" --service-account-signing-key-file="$DIR/pki/sa.key" \
+    --disable-admission-plugins=ServiceAccount --allow-privileged=true
+  wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" healthy_probe
+  kubeconfig
+
+  log "starting kube-controller-manager"
+  start kube-controller-manager "$bins/kube-controller-manager" \
+    --kubeconfig="$KUBECONFIG_PATH" --authentication-kubeconfig="$KUBECONFIG_PATH" \
+    --authorization-kubeconfig="$KUBECONFIG_PATH" \
+    --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --port=0 --leader-elect=false \
+    --service-account-private-key-file="$DIR/pki/sa.key" --root-ca-file="$DIR/pki/ca.crt" \
+    --cert-dir="$DIR/pki/kcm"
+  wait_for kube-controller-manager 60 "$DIR/logs/kube-controller-manager.log" \
+    curl -fsSk --max-time 2 "https://127.0.0.1:$KCM_PORT/healthz"
+  log "local Kubernetes v$FL_K8S_VERSION is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
+}
+
+healthy_probe() {
+  curl -fsS --max-time 2 --cacert "$DIR/pki/ca.crt" \
+    -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" "https://127.0.0.1:$API_PORT/readyz"
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status)
+    if healthy; then echo "running: export KUBECONFIG=$KUBECONFIG_PATH"; else echo "not running (start: hack/cluster.sh up)"; exit 1; fi ;;
+  env) echo "export KUBECONFIG=$KUBECONFIG_PATH" ;;
+  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+esac

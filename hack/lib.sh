@@ -1,0 +1,48 @@
+# Shared helpers for the hack/ scripts. Source it; do not run it.
+# shellcheck shell=bash
+
+FL_K8S_VERSION="${FL_K8S_VERSION:-1.20.2}"
+FL_CACHE="${FENCEDLEASE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fencedlease}"
+FL_CLUSTER_DIR="${FENCEDLEASE_CLUSTER_DIR:-/tmp/fencedlease-cluster}"
+FL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# log MESSAGE...: a timestamped progress line on stderr.
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# die MESSAGE...: print what went wrong (and what to do) and stop.
+die() { printf '[%s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
+
+# with_heartbeat LABEL LOGFILE CMD...: run CMD with its output in LOGFILE, printing a line every
+# 30 s so that nobody sits in front of a silent terminal. On failure, show the log's tail.
+with_heartbeat() {
+  local label="$1" logfile="$2"; shift 2
+  local start=$SECONDS
+  "$@" >"$logfile" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    for _ in $(seq 30); do sleep 1; kill -0 "$pid" 2>/dev/null || break; done
+    kill -0 "$pid" 2>/dev/null && log "$label: still running ($((SECONDS - start)) s; log: $logfile)"
+  done
+  if ! wait "$pid"; then
+    tail -n 30 "$logfile" >&2
+    die "$label failed after $((SECONDS - start)) s; full log: $logfile"
+  fi
+  log "$label: done in $((SECONDS - start)) s"
+}
+
+# apt_install PKG...: install Debian packages that are missing (needs root on Debian).
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get: install them by hand"
+  [ "$(id -u)" = 0 ] || die "missing packages ${missing[*]}: run as root, or install them first"
+  log "installing Debian packages: ${missing[*]}"
+  if [ ! -f "$FL_CACHE/.apt-updated" ] || [ -n "$(find "$FL_CACHE/.apt-updated" -mmin +720)" ]; then
+    mkdir -p "$FL_CACHE"
+    with_heartbeat "apt-get update" "$FL_CACHE/apt-update.log" apt-get update -q
+    touch "$FL_CACHE/.apt-updated"
+  fi
+  with_heartbeat "apt-get install" "$FL_CACHE/apt-install.log" \
+    env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+}

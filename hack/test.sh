@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every test: formatting, clippy, unit tests, and the integration tests against a real
+# local kube-apiserver (started here if none is running, and stopped again afterwards).
+#
+#   hack/test.sh                 everything
+#   hack/test.sh -- NAME         only cargo tests whose name contains NAME
+#   FL_KEEP_CLUSTER=1 hack/test.sh   leave the cluster running for a look afterwards
+set -euo pipefail
+# shellcheck source=hack/lib.sh
+source "$(dirname "$0")/lib.sh"
+cd "$FL_REPO"
+
+[ "${1:-}" = "--" ] && shift
+command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs), then rerun"
+apt_install curl openssl iproute2 procps
+
+started_cluster=0
+if ! hack/cluster.sh status >/dev/null 2>&1; then
+  started_cluster=1
+  if [ "${FL_KEEP_CLUSTER:-0}" != 1 ]; then
+    trap 'hack/cluster.sh down' EXIT
+  fi
+  hack/cluster.sh up
+fi
+eval "$(hack/cluster.sh env)"
+export KUBECONFIG
+
+log "cargo fmt --check"
+cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
+log "cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --quiet -- -D warnings
+log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
+if ! cargo test --all-targets -- "$@"; then
+  [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
+  exit 1
+fi
+log "all tests passed"

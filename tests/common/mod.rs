@@ -1,0 +1,165 @@
+//! Shared harness for the integration tests: they run against a real kube-apiserver.
+//!
+//! The cluster is found through `$KUBECONFIG`, else `hack/cluster.sh`'s default kubeconfig.
+//! When none answers, the test fails (never skips) and says how to start one.
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{DeleteParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+
+pub mod procs;
+
+pub const DEFAULT_KUBECONFIG: &str = "/tmp/fencedlease-cluster/kubeconfig";
+
+pub fn repo_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn kubeconfig_path() -> PathBuf {
+    std::env::var_os("KUBECONFIG")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_KUBECONFIG))
+}
+
+fn how_to_start() -> String {
+    format!(
+        "no Kubernetes API server reachable through {}.\n\
+         Start the local one with `hack/cluster.sh up` (it builds Kubernetes on first use), then\n\
+         `export KUBECONFIG={DEFAULT_KUBECONFIG}`; or run everything with `hack/test.sh`.",
+        kubeconfig_path().display()
+    )
+}
+
+/// A client for the test cluster. Panics, saying how to start the cluster, when it is absent.
+pub async fn client() -> Client {
+    let path = kubeconfig_path();
+    let kc = Kubeconfig::read_from(&path)
+        .unwrap_or_else(|e| panic!("{}\n(reading {}: {e})", how_to_start(), path.display()));
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("{}\n(kubeconfig: {e})", how_to_start()));
+    let client = Client::try_from(config).expect("building a kube client from a valid config");
+    if let Err(e) = client.apiserver_version().await {
+        panic!("{}\n(asking the server's version: {e})", how_to_start());
+    }
+    client
+}
+
+/// Runs kubectl against the test cluster; returns (success, stdout, stderr).
+pub fn kubectl(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new("kubectl")
+        .env("KUBECONFIG", kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("kubectl must be installed (it is on these machines: /usr/bin/kubectl)");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Installs the committed CRD once per test binary (server-side apply) and waits until it is
+/// Established. Synchronous, so that it does not depend on any one test's runtime.
+pub fn ensure_crd() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let crd = repo_root().join("crds/fencedleases.fencedlease.io.yaml");
+        let crd = crd.to_str().expect("utf-8 path");
+        let (ok, _, err) = kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=fencedlease-tests",
+            "-f",
+            crd,
+        ]);
+        assert!(ok, "installing the CRD failed: {err}\n{}", how_to_start());
+        let (ok, _, err) = kubectl(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/fencedleases.fencedlease.io",
+        ]);
+        assert!(ok, "the CRD did not become Established: {err}");
+    });
+}
+
+/// A namespace of the test's own, deleted when the value is dropped (in the background).
+pub struct TestNamespace {
+    pub name: String,
+}
+
+impl TestNamespace {
+    pub async fn new(client: &Client, prefix: &str) -> TestNamespace {
+        let suffix: u32 = rand_u32();
+        let name = format!("{prefix}-{suffix:08x}");
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {"fencedlease.io/test": "true"}}
+        }))
+        .expect("namespace literal");
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+        TestNamespace { name }
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        // Best effort and non-blocking: kubectl returns once deletion has started.
+        let _ = kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
+    }
+}
+
+/// A random-enough number for unique names, without a dependency.
+pub fn rand_u32() -> u32 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish() as u32
+}
+
+/// Polls `f` every 50 ms until it returns Some, or panics after `timeout` with `what`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Deletes a namespaced object, ignoring "not found".
+pub async fn delete_ignore_missing<K>(api: &Api<K>, name: &str)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => panic!("deleting {name}: {e}"),
+    }
+}
