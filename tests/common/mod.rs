@@ -81,7 +81,7 @@ pub fn ensure_crd() {
             "-f",
             crd,
         ]);
-        assert!(ok, "installing the CRD failed: {err}\n{}", how_to_start());
+        assert!(ok, "installing the CRD with kubectl failed: {err}");
         let (ok, _, err) = kubectl(&[
             "wait",
             "--for=condition=Established",

@@ -1,0 +1,566 @@
+//! The election protocol's Kubernetes I/O: watches one FencedLease, acquires, renews and
+//! releases it with resourceVersion preconditions, and publishes the outcome on a
+//! `tokio::sync::watch` channel. All decisions come from [`super::rules`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::PostParams;
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client};
+use tokio::sync::{watch, Notify};
+use tokio::time::{sleep_until, timeout, Instant};
+use tracing::{debug, info, instrument, warn};
+
+use super::rules::{
+    candidate_decision, holder_decision, Activity, CandidateAction, FencingToken, HolderAction,
+    Mono, Observation, Tenure, Timing,
+};
+use crate::api::{FencedLease, FencedLeaseSpec};
+
+/// How long to wait before retrying after a write failed for a reason other than a conflict.
+const RETRY_BACKOFF: Duration = Duration::from_millis(250);
+/// How long a release may take on shutdown.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid timing: {0}")]
+    Timing(String),
+    #[error("the watch on the FencedLease ended unexpectedly")]
+    WatchEnded,
+}
+
+impl Error {
+    /// A bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Timing(_) => "timing",
+            Error::WatchEnded => "watch_ended",
+        }
+    }
+}
+
+/// What this participant knows about its own leadership.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LeaderState {
+    /// Not known yet (starting, or the lease does not exist).
+    Unknown,
+    /// Someone else holds the lease, or nobody does.
+    Following {
+        holder: Option<String>,
+        token: Option<i64>,
+    },
+    /// This participant holds the lease with this token, until `valid_until` at the latest
+    /// unless a renewal succeeds first.
+    Leading {
+        token: FencingToken,
+        valid_until: Instant,
+    },
+}
+
+impl LeaderState {
+    /// The token if this participant leads *at `now`*. Checking the deadline here means that a
+    /// reader who was paused never acts on a claim that ran out while it slept.
+    pub fn leading_token(&self, now: Instant) -> Option<&FencingToken> {
+        match self {
+            LeaderState::Leading { token, valid_until } if now < *valid_until => Some(token),
+            _ => None,
+        }
+    }
+}
+
+/// Which lease to campaign for, and as whom.
+#[derive(Clone, Debug)]
+pub struct ElectorConfig {
+    pub namespace: String,
+    pub lease: String,
+    pub identity: String,
+    /// Create the FencedLease with this `leaseDurationSeconds` when it does not exist.
+    pub create_with_duration: Option<i32>,
+    /// Use this timing instead of the one derived from `spec.leaseDurationSeconds`.
+    pub timing_override: Option<Timing>,
+}
+
+/// The handle a user of the elector keeps: the state channel and a way to step down.
+#[derive(Clone, Debug)]
+pub struct ElectorHandle {
+    pub state: watch::Receiver<LeaderState>,
+    release: Arc<Notify>,
+}
+
+impl ElectorHandle {
+    /// Asks the elector to release the lease if it holds it; it then stays out of the running
+    /// for one lease duration so that another candidate takes over.
+    pub fn request_release(&self) {
+        self.release.notify_one();
+    }
+}
+
+/// One participant in the election for one FencedLease.
+pub struct Elector {
+    api: Api<FencedLease>,
+    cfg: ElectorConfig,
+    origin: Instant,
+    state: watch::Sender<LeaderState>,
+    release: Arc<Notify>,
+    latest: Option<FencedLease>,
+    obs: Option<Observation>,
+    tenure: Option<(Tenure, String)>,
+    retry_at: Option<Instant>,
+    hold_off_until: Option<Instant>,
+    last_renew_wall: Option<jiff::Timestamp>,
+    last_create_attempt: Option<Instant>,
+}
+
+impl Elector {
+    pub fn new(client: Client, cfg: ElectorConfig) -> Result<(Elector, ElectorHandle), Error> {
+        if let Some(t) = &cfg.timing_override {
+            t.validate().map_err(Error::Timing)?;
+        }
+        let (tx, rx) = watch::channel(LeaderState::Unknown);
+        let release = Arc::new(Notify::new());
+        let elector = Elector {
+            api: Api::namespaced(client, &cfg.namespace),
+            cfg,
+            origin: Instant::now(),
+            state: tx,
+            release: release.clone(),
+            latest: None,
+            obs: None,
+            tenure: None,
+            retry_at: None,
+            hold_off_until: None,
+            last_renew_wall: None,
+            last_create_attempt: None,
+        };
+        Ok((elector, ElectorHandle { state: rx, release }))
+    }
+
+    fn mono(&self, at: Instant) -> Mono {
+        at.saturating_duration_since(self.origin)
+    }
+
+    fn instant(&self, m: Mono) -> Instant {
+        self.origin + m
+    }
+
+    fn timing(&self, lease: &FencedLease) -> Timing {
+        self.cfg
+            .timing_override
+            .unwrap_or_else(|| Timing::for_lease_seconds(lease.spec.lease_duration_seconds))
+    }
+
+    fn me(&self) -> &str {
+        &self.cfg.identity
+    }
+
+    /// Campaigns until `shutdown` completes, then releases the lease if it holds it.
+    #[instrument(skip_all, fields(lease = %self.cfg.lease, ns = %self.cfg.namespace, identity = %self.cfg.identity))]
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+        let config =
+            watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.lease));
+        let mut stream = watcher(self.api.clone(), config).default_backoff().boxed();
+        let release = self.release.clone();
+        tokio::pin!(shutdown);
+        let mut listed_any = false;
+        loop {
+            let deadline = self.step().await;
+            tokio::select! {
+                biased;
+                () = &mut shutdown => {
+                    self.release("shutdown").await;
+                    self.publish(LeaderState::Unknown);
+                    return Ok(());
+                }
+                () = release.notified() => {
+                    if self.tenure.is_some() {
+                        let hold = self.latest.as_ref().map(|l| self.timing(l).lease_duration)
+                            .unwrap_or(Duration::from_secs(15));
+                        self.release("requested").await;
+                        self.hold_off_until = Some(Instant::now() + hold);
+                    }
+                }
+                ev = stream.next() => match ev {
+                    Some(Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o))) => {
+                        listed_any = true;
+                        self.saw(Some(o));
+                    }
+                    Some(Ok(watcher::Event::Delete(_))) => self.saw(None),
+                    Some(Ok(watcher::Event::Init)) => listed_any = false,
+                    Some(Ok(watcher::Event::InitDone)) => {
+                        if !listed_any {
+                            self.saw(None);
+                        }
+                    }
+                    Some(Err(e)) => warn!(error = %e, "watching the FencedLease failed; retrying"),
+                    None => return Err(Error::WatchEnded),
+                },
+                () = sleep_until(deadline) => {}
+            }
+        }
+    }
+
+    /// Takes in a newer view of the lease (from the watch or from a write's answer).
+    fn saw(&mut self, obj: Option<FencedLease>) {
+        let now = self.mono(Instant::now());
+        let Some(obj) = obj else {
+            self.latest = None;
+            self.obs = None;
+            return;
+        };
+        if let Some(cur) = &self.latest {
+            if cur.metadata.uid == obj.metadata.uid && rv_num(&obj) < rv_num(cur) {
+                return; // an older event than what a write already told us
+            }
+        }
+        let activity = activity_of(&obj);
+        self.obs = Some(Observation::observe(self.obs.as_ref(), activity, now));
+        self.latest = Some(obj);
+    }
+
+    fn publish(&self, state: LeaderState) {
+        self.state.send_if_modified(|cur| {
+            if *cur == state {
+                false
+            } else {
+                *cur = state;
+                true
+            }
+        });
+    }
+
+    fn publish_leading(&self) {
+        if let (Some((tenure, uid)), Some(lease)) = (&self.tenure, &self.latest) {
+            let timing = self.timing(lease);
+            self.publish(LeaderState::Leading {
+                token: FencingToken {
+                    lease_uid: uid.clone(),
+                    generation: tenure.token,
+                },
+                valid_until: self.instant(tenure.valid_until(&timing)),
+            });
+        }
+    }
+
+    fn lose(&mut self, why: &str) {
+        if let Some((tenure, _)) = self.tenure.take() {
+            warn!(token = tenure.token, why, "stopped leading");
+        }
+        let (holder, token) = match &self.latest {
+            Some(l) => (l.holder().map(str::to_string), l.token()),
+            None => (None, None),
+        };
+        self.publish(LeaderState::Following { holder, token });
+    }
+
+    /// Decides and acts once; returns when to look again (absent new events).
+    async fn step(&mut self) -> Instant {
+        let now = Instant::now();
+        let idle = now + Duration::from_secs(3600);
+        let Some(lease) = self.latest.clone() else {
+            if self.tenure.is_some() {
+                self.lose("the FencedLease was deleted");
+            } else if !matches!(*self.state.borrow(), LeaderState::Unknown) {
+                self.publish(LeaderState::Unknown);
+            }
+            return self.maybe_create(now).await.unwrap_or(idle);
+        };
+        let timing = self.timing(&lease);
+        let retry_at = self.retry_at.filter(|r| *r > now);
+
+        if let Some((mut tenure, uid)) = self.tenure.clone() {
+            if lease.metadata.uid.as_deref() != Some(uid.as_str()) {
+                self.lose("the FencedLease was re-created");
+                return now;
+            }
+            if lease.holder() != Some(self.me()) {
+                self.lose("another writer changed the holder");
+                return now;
+            }
+            let preferred = lease.spec.preferred_holder.clone();
+            if preferred
+                .as_deref()
+                .is_some_and(|p| !p.is_empty() && p != self.me())
+                && tenure.is_valid(&timing, self.mono(now))
+            {
+                info!(preferred = ?preferred, "handing over to the preferred holder");
+                self.release("handover").await;
+                return now;
+            }
+            if let Some(generation) = lease.token().filter(|g| *g > tenure.token) {
+                // A spec edit (say, of the duration) while we hold it: the token moved on and
+                // our old one will be refused, so adopt the new one.
+                tenure.token = generation;
+                self.tenure = Some((tenure, uid));
+                self.publish_leading();
+            }
+            let valid_until = self.instant(tenure.valid_until(&timing));
+            if let Some(r) = retry_at {
+                return r.min(valid_until);
+            }
+            match holder_decision(
+                self.me(),
+                &tenure,
+                preferred.as_deref(),
+                &timing,
+                self.mono(now),
+            ) {
+                HolderAction::Lost => {
+                    self.lose("validity ended without a successful renewal");
+                    now
+                }
+                HolderAction::StepDown => {
+                    info!(preferred = ?preferred, "handing over to the preferred holder");
+                    self.release("handover").await;
+                    now
+                }
+                HolderAction::Renew { budget } => {
+                    self.renew(lease, tenure, budget, false).await;
+                    now
+                }
+                HolderAction::WaitUntil(m) => self.instant(m),
+            }
+        } else {
+            let Some(obs) = self.obs.clone() else {
+                return idle;
+            };
+            self.publish(LeaderState::Following {
+                holder: lease.holder().map(str::to_string),
+                token: lease.token(),
+            });
+            if let Some(h) = self.hold_off_until.filter(|h| *h > now) {
+                return h;
+            }
+            if let Some(r) = retry_at {
+                return r;
+            }
+            let preferred = lease.spec.preferred_holder.as_deref();
+            match candidate_decision(
+                self.me(),
+                &obs,
+                preferred,
+                timing.lease_duration,
+                self.mono(now),
+            ) {
+                CandidateAction::Acquire => {
+                    self.acquire(lease, timing).await;
+                    now
+                }
+                CandidateAction::WaitUntil(m) => self.instant(m),
+            }
+        }
+    }
+
+    async fn maybe_create(&mut self, now: Instant) -> Option<Instant> {
+        let duration = self.cfg.create_with_duration?;
+        if self
+            .last_create_attempt
+            .is_some_and(|t| now < t + Duration::from_secs(1))
+        {
+            return self.last_create_attempt.map(|t| t + Duration::from_secs(1));
+        }
+        self.last_create_attempt = Some(now);
+        let mut spec = FencedLeaseSpec::free();
+        spec.lease_duration_seconds = duration;
+        let lease = FencedLease::new(&self.cfg.lease, spec);
+        match self.api.create(&PostParams::default(), &lease).await {
+            Ok(created) => {
+                info!("created the FencedLease");
+                self.saw(Some(created));
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => debug!("the FencedLease exists already"),
+            Err(e) => warn!(error = %e, "creating the FencedLease failed; retrying"),
+        }
+        Some(now + Duration::from_secs(1))
+    }
+
+    /// Re-reads the lease after a conflict.
+    async fn refresh(&mut self, budget: Duration) {
+        match timeout(budget, self.api.get_opt(&self.cfg.lease)).await {
+            Ok(Ok(obj)) => self.saw(obj),
+            Ok(Err(e)) => {
+                warn!(error = %e, "re-reading the FencedLease failed");
+                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+            }
+            Err(_) => self.retry_at = Some(Instant::now() + RETRY_BACKOFF),
+        }
+    }
+
+    async fn acquire(&mut self, lease: FencedLease, timing: Timing) {
+        let mut desired = lease.clone();
+        desired.spec.holder_identity = Some(self.cfg.identity.clone());
+        // The preferred holder had its chance (or is us): clear it so nobody steps down again.
+        desired.spec.preferred_holder = None;
+        let sent = Instant::now();
+        let res = timeout(
+            timing.lease_duration,
+            self.api
+                .replace(&self.cfg.lease, &PostParams::default(), &desired),
+        )
+        .await;
+        match res {
+            Ok(Ok(acquired)) => {
+                let (Some(token), Some(uid)) = (acquired.token(), acquired.metadata.uid.clone())
+                else {
+                    warn!("the API server answered without generation or uid");
+                    self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                    return;
+                };
+                let tenure = Tenure {
+                    token,
+                    last_sent: self.mono(sent),
+                };
+                self.tenure = Some((tenure, uid));
+                self.saw(Some(acquired.clone()));
+                info!(token, "acquired the lease");
+                self.publish_leading();
+                let budget = tenure.request_budget(&timing, self.mono(Instant::now()));
+                if let Some(budget) = budget {
+                    self.renew(acquired, tenure, budget, true).await;
+                }
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                debug!("acquire lost a race; re-reading");
+                self.refresh(timing.lease_duration).await;
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.saw(None),
+            Ok(Err(e)) => {
+                warn!(error = %e, "acquiring failed; retrying");
+                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+            }
+            Err(_) => {
+                warn!("acquiring timed out; retrying");
+                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+            }
+        }
+    }
+
+    /// A renewal: a status write with the lease's resourceVersion as precondition, bounded by
+    /// the time left, counted from when it was sent.
+    async fn renew(&mut self, lease: FencedLease, tenure: Tenure, budget: Duration, first: bool) {
+        let now_wall = jiff::Timestamp::now();
+        let wall = match self.last_renew_wall {
+            Some(prev) if now_wall <= prev => prev + jiff::SignedDuration::from_micros(1),
+            _ => now_wall,
+        };
+        let mut desired = lease;
+        let status = desired.status.get_or_insert_with(Default::default);
+        if first || status.holder_identity.as_deref() != Some(self.cfg.identity.as_str()) {
+            status.acquire_time = Some(MicroTime(wall));
+            // Counted by the new holder under the same precondition, so never twice.
+            if status
+                .holder_identity
+                .as_deref()
+                .is_some_and(|h| !h.is_empty() && h != self.cfg.identity)
+            {
+                status.lease_transitions += 1;
+            }
+        }
+        status.holder_identity = Some(self.cfg.identity.clone());
+        status.token = Some(tenure.token);
+        status.renew_time = Some(MicroTime(wall));
+        let sent = Instant::now();
+        let res = timeout(
+            budget,
+            self.api
+                .replace_status(&self.cfg.lease, &PostParams::default(), &desired),
+        )
+        .await;
+        match res {
+            Ok(Ok(renewed)) => {
+                self.last_renew_wall = Some(wall);
+                if let Some((t, uid)) = self.tenure.take() {
+                    self.tenure = Some((t.renewed(self.mono(sent)), uid));
+                }
+                self.saw(Some(renewed));
+                self.publish_leading();
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                // Someone else wrote (the controller's status, a new holder, a spec edit):
+                // re-read; the next step sees whether the lease is still ours.
+                self.refresh(budget).await;
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+                self.saw(None);
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "renewal failed; retrying");
+                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+            }
+            Err(_) => warn!(?budget, "renewal took longer than the time left"),
+        }
+    }
+
+    /// Clears the holder (a new token) if we hold the lease. Leadership ends before the write.
+    async fn release(&mut self, why: &str) {
+        let Some((tenure, uid)) = self.tenure.take() else {
+            return;
+        };
+        self.publish(LeaderState::Following {
+            holder: None,
+            token: None,
+        });
+        let deadline = Instant::now() + RELEASE_TIMEOUT;
+        for _ in 0..5 {
+            let Some(lease) = self.latest.clone() else {
+                return;
+            };
+            if lease.metadata.uid.as_deref() != Some(uid.as_str())
+                || lease.holder() != Some(self.me())
+            {
+                return; // not ours any more: nothing to release
+            }
+            let mut desired = lease;
+            desired.spec.holder_identity = None;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match timeout(
+                left,
+                self.api
+                    .replace(&self.cfg.lease, &PostParams::default(), &desired),
+            )
+            .await
+            {
+                Ok(Ok(released)) => {
+                    info!(token = tenure.token, why, "released the lease");
+                    self.saw(Some(released));
+                    return;
+                }
+                Ok(Err(kube::Error::Api(s))) if s.code == 409 => self.refresh(left).await,
+                Ok(Err(e)) => {
+                    warn!(error = %e, "releasing failed; the lease will expire instead");
+                    return;
+                }
+                Err(_) => {
+                    warn!("releasing timed out; the lease will expire instead");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The parts of a lease whose change counts as activity.
+pub fn activity_of(lease: &FencedLease) -> Activity {
+    Activity {
+        uid: lease.metadata.uid.clone().unwrap_or_default(),
+        generation: lease.metadata.generation.unwrap_or_default(),
+        holder: lease.holder().map(str::to_string),
+        renew_marker: lease
+            .status
+            .as_ref()
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.to_string()),
+    }
+}
+
+fn rv_num(obj: &FencedLease) -> u64 {
+    obj.metadata
+        .resource_version
+        .as_deref()
+        .and_then(|rv| rv.parse().ok())
+        .unwrap_or(0)
+}
