@@ -126,7 +126,6 @@ pub struct Condition {
     /// A CamelCase word for why the condition last changed.
     pub reason: String,
     /// A sentence for people on why the condition last changed.
-    #[serde(default)]
     pub message: String,
     /// When the condition last changed status.
     pub last_transition_time: Time,
@@ -144,6 +143,9 @@ impl FencedLease {
 
     /// The current holder, treating an empty string as none.
     pub fn holder(&self) -> Option<&str> {
-        self.spec.holder_identity.as_deref().filter(|h| !h.is_empty())
+        self.spec
+            .holder_identity
+            .as_deref()
+            .filter(|h| !h.is_empty())
     }
 }

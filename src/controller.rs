@@ -1,0 +1,541 @@
+//! `fencedlease controller`: keeps every FencedLease's status true, revokes expired leases,
+//! and emits Events. It is not on the critical path: candidates fail over without it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{info, instrument, warn};
+
+use crate::api::{Condition, FencedLease};
+use crate::lease::elector::{activity_of, Elector, ElectorConfig, LeaderState};
+use crate::lease::rules::{controller_decision, ControllerAction, Observation, Timing};
+use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
+
+pub const FIELD_MANAGER: &str = "fencedlease-controller";
+
+#[derive(Debug, clap::Args)]
+pub struct ControllerArgs {
+    /// Address of the /metrics, /livez and /readyz server.
+    #[arg(
+        long,
+        env = "FENCEDLEASE_METRICS_ADDR",
+        default_value = "127.0.0.1:9090"
+    )]
+    pub metrics_addr: SocketAddr,
+    /// Namespace of the FencedLease that elects the active controller replica.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub election_namespace: String,
+    /// Name of that FencedLease.
+    #[arg(long, default_value = "fencedlease-controller")]
+    pub election_lease: String,
+    /// Identity of this replica (default: hostname and process id).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long)]
+    pub namespace: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("the object has no namespace")]
+    NoNamespace,
+}
+
+impl Error {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(kube::Error::Api(s)) if s.code == 409 => "conflict",
+            Error::Kube(kube::Error::Api(_)) => "api",
+            Error::Kube(_) => "client",
+            Error::NoNamespace => "no_namespace",
+        }
+    }
+}
+
+/// What the controller remembers of a lease between reconciliations.
+#[derive(Clone, Debug)]
+struct Seen {
+    obs: Observation,
+    holder: Option<String>,
+    /// The generation this controller's revocation produced, if it revoked this lease.
+    revoked_generation: Option<i64>,
+}
+
+/// State handed to `reconcile` and `error_policy`.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: ControllerMetrics,
+    origin: Instant,
+    seen: Mutex<HashMap<String, Seen>>,
+}
+
+impl Context {
+    pub fn new(client: Client, metrics: ControllerMetrics, identity: &str) -> Context {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(identity.to_string()),
+            },
+        );
+        Context {
+            client,
+            recorder,
+            metrics,
+            origin: Instant::now(),
+            seen: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+fn key(lease: &FencedLease) -> String {
+    format!(
+        "{}/{}/{}",
+        lease.namespace().unwrap_or_default(),
+        lease.name_any(),
+        lease.metadata.uid.as_deref().unwrap_or_default()
+    )
+}
+
+fn condition(
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: if status { "True" } else { "False" }.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: Time(jiff::Timestamp::now()),
+        observed_generation: generation,
+    }
+}
+
+/// Merges desired conditions into current ones, keeping lastTransitionTime when the status
+/// did not change. Returns the merged list.
+fn merge_conditions(current: &[Condition], desired: Vec<Condition>) -> Vec<Condition> {
+    desired
+        .into_iter()
+        .map(|mut d| {
+            if let Some(c) = current.iter().find(|c| c.type_ == d.type_) {
+                if c.status == d.status {
+                    d.last_transition_time = c.last_transition_time.clone();
+                }
+            }
+            d
+        })
+        .collect()
+}
+
+fn same_conditions(a: &[Condition], b: &[Condition]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.type_ == y.type_
+                && x.status == y.status
+                && x.reason == y.reason
+                && x.message == y.message
+        })
+}
+
+#[instrument(skip_all, fields(lease = %lease.name_any(), ns = ?lease.namespace()))]
+pub async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let res = reconcile_inner(&lease, &ctx).await;
+    ctx.metrics
+        .reconcile_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let label = match &res {
+        Ok(_) => "ok",
+        Err(e) => e.metric_label(),
+    };
+    ctx.metrics
+        .reconciles
+        .get_or_create(&ResultLabel { result: label })
+        .inc();
+    res
+}
+
+async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, Error> {
+    let ns = lease.namespace().ok_or(Error::NoNamespace)?;
+    let api: Api<FencedLease> = Api::namespaced(ctx.client.clone(), &ns);
+    let now = Instant::now();
+    let mono = now.saturating_duration_since(ctx.origin);
+    let timing = Timing::for_lease_seconds(lease.spec.lease_duration_seconds);
+    let holder = lease.holder().map(str::to_string);
+    let k = key(lease);
+
+    // Observe, and note changes of holder for Events.
+    let previous = {
+        let mut seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let prev = seen.get(&k).cloned();
+        let obs = Observation::observe(prev.as_ref().map(|s| &s.obs), activity_of(lease), mono);
+        seen.insert(
+            k.clone(),
+            Seen {
+                obs: obs.clone(),
+                holder: holder.clone(),
+                revoked_generation: prev.as_ref().and_then(|p| p.revoked_generation),
+            },
+        );
+        prev.map(|p| (p.holder, obs))
+    };
+    if let Some((prev_holder, _)) = &previous {
+        if *prev_holder != holder {
+            let token = lease.token().unwrap_or_default();
+            let (reason, note, event) = match (prev_holder, &holder) {
+                (Some(p), Some(h)) => (
+                    "Acquired",
+                    format!("{h} took the lease over from {p} with token {token}"),
+                    "acquired",
+                ),
+                (None, Some(h)) => (
+                    "Acquired",
+                    format!("{h} acquired the lease with token {token}"),
+                    "acquired",
+                ),
+                (Some(p), None) => (
+                    "Released",
+                    format!("{p} no longer holds the lease; token now {token}"),
+                    "released",
+                ),
+                (None, None) => ("Released", "the lease is free".to_string(), "released"),
+            };
+            publish(ctx, lease, EventType::Normal, reason, note, event).await;
+        }
+    }
+    let obs = {
+        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&k).map(|s| s.obs.clone())
+    };
+    let revoked_generation = {
+        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&k).and_then(|s| s.revoked_generation)
+    };
+    let Some(obs) = obs else {
+        return Ok(Action::requeue(Duration::from_secs(60)));
+    };
+
+    match controller_decision(&obs, timing.lease_duration, mono) {
+        ControllerAction::Revoke => {
+            let mut desired = lease.clone();
+            let old = desired.spec.holder_identity.take();
+            match api
+                .replace(&lease.name_any(), &PostParams::default(), &desired)
+                .await
+            {
+                Ok(revoked) => {
+                    let note = format!(
+                        "{} did not renew for {}s: revoked, token now {}",
+                        old.as_deref().unwrap_or("the holder"),
+                        lease.spec.lease_duration_seconds,
+                        revoked.token().unwrap_or_default()
+                    );
+                    info!(%note, "revoked an expired lease");
+                    publish(ctx, lease, EventType::Warning, "Revoked", note, "revoked").await;
+                    if let Some(s) = ctx
+                        .seen
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_mut(&k)
+                    {
+                        s.revoked_generation = revoked.metadata.generation;
+                    }
+                    write_status(&api, &revoked, true).await?;
+                    Ok(Action::await_change())
+                }
+                // The lease changed meanwhile (a renewal came in): look again with fresh data.
+                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                    Ok(Action::requeue(Duration::from_millis(50)))
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
+        ControllerAction::HeldUntil(at) => {
+            write_status(&api, lease, false).await?;
+            Ok(Action::requeue(
+                at.saturating_sub(mono) + Duration::from_millis(1),
+            ))
+        }
+        ControllerAction::Free => {
+            let revoked =
+                revoked_generation.is_some() && revoked_generation == lease.metadata.generation;
+            write_status(&api, lease, revoked).await?;
+            Ok(Action::await_change())
+        }
+    }
+}
+
+/// Writes the controller-owned parts of the status when they differ: observedGeneration,
+/// conditions and expiryTime. A merge patch of only those fields, so holders' renewals and the
+/// controller never overwrite each other's fields.
+async fn write_status(
+    api: &Api<FencedLease>,
+    lease: &FencedLease,
+    revoked: bool,
+) -> Result<(), Error> {
+    let status = lease.status.clone().unwrap_or_default();
+    let generation = lease.metadata.generation;
+    let desired = desired_conditions(lease, revoked);
+    let merged = merge_conditions(&status.conditions, desired);
+    let expiry = lease.holder().map(|_| {
+        Time(
+            jiff::Timestamp::now()
+                .checked_add(jiff::SignedDuration::from_secs(i64::from(
+                    lease.spec.lease_duration_seconds,
+                )))
+                .unwrap_or_else(|_| jiff::Timestamp::now()),
+        )
+    });
+    let unchanged = status.observed_generation == generation
+        && same_conditions(&status.conditions, &merged)
+        && status.expiry_time.is_some() == expiry.is_some();
+    if unchanged {
+        return Ok(());
+    }
+    let patch = serde_json::json!({
+        "status": {
+            "observedGeneration": generation,
+            "conditions": merged,
+            "expiryTime": expiry,
+        }
+    });
+    match api
+        .patch_status(
+            &lease.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn desired_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
+    let g = lease.metadata.generation;
+    let token = lease.token().unwrap_or_default();
+    match lease.holder() {
+        Some(h) => vec![
+            condition(
+                "Held",
+                true,
+                "Acquired",
+                format!("held by {h} with token {token}"),
+                g,
+            ),
+            condition(
+                "Expired",
+                false,
+                "Renewing",
+                "the holder renews in time".into(),
+                g,
+            ),
+            condition("Released", false, "Held", format!("held by {h}"), g),
+        ],
+        None => {
+            // Revoked by this replica, or (after a restart) recorded as revoked at this very
+            // generation: a later release or acquisition moves the generation on.
+            let recorded = lease
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Expired"))
+                .is_some_and(|c| c.status == "True" && c.observed_generation == g);
+            if revoked || recorded {
+                vec![
+                    condition(
+                        "Held",
+                        false,
+                        "Revoked",
+                        format!("the holder stopped renewing; token now {token}"),
+                        g,
+                    ),
+                    condition(
+                        "Expired",
+                        true,
+                        "NotRenewed",
+                        "the holder did not renew within the lease duration and was revoked".into(),
+                        g,
+                    ),
+                    condition("Released", true, "Revoked", "the lease is free".into(), g),
+                ]
+            } else {
+                vec![
+                    condition("Held", false, "Free", "nobody holds the lease".into(), g),
+                    condition("Expired", false, "Free", "the lease is free".into(), g),
+                    condition("Released", true, "Free", "the lease is free".into(), g),
+                ]
+            }
+        }
+    }
+}
+
+async fn publish(
+    ctx: &Context,
+    lease: &FencedLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+    event: &'static str,
+) {
+    ctx.metrics
+        .lease_events
+        .get_or_create(&EventLabel { event })
+        .inc();
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &lease.object_ref(&())).await {
+        warn!(error = %e, "publishing an Event failed");
+    }
+}
+
+pub fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>) -> Action {
+    match error {
+        Error::Kube(kube::Error::Api(s)) if s.code == 409 => {
+            Action::requeue(Duration::from_millis(50))
+        }
+        _ => {
+            warn!(%error, "reconcile failed");
+            Action::requeue(Duration::from_secs(1))
+        }
+    }
+}
+
+/// Runs the controller: campaigns for the controller lease and reconciles while active.
+pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(crate::campaign::default_identity);
+    let client = Client::try_default()
+        .await
+        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let mut registry = Registry::default();
+    let metrics = ControllerMetrics::register(&mut registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let health = HealthState {
+        registry: Arc::new(registry),
+        ready: ready.clone(),
+    };
+    let server = tokio::spawn(crate::metrics::serve(
+        args.metrics_addr,
+        health,
+        stopped(stop_rx.clone()),
+    ));
+
+    let (elector, handle) = Elector::new(
+        client.clone(),
+        ElectorConfig {
+            namespace: args.election_namespace.clone(),
+            lease: args.election_lease.clone(),
+            identity: identity.clone(),
+            create_with_duration: Some(15),
+            timing_override: None,
+        },
+    )?;
+    let elector_task = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+    let ctx = Arc::new(Context::new(client.clone(), metrics, &identity));
+    ready.store(true, Ordering::Relaxed);
+
+    let mut state = handle.state.clone();
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    loop {
+        // Wait until this replica leads.
+        let leading = loop {
+            let s = state.borrow_and_update().clone();
+            if let Some(token) = s.leading_token(Instant::now()) {
+                break Some(token.clone());
+            }
+            tokio::select! {
+                r = state.changed() => if r.is_err() { break None },
+                _ = sigterm.recv() => break None,
+                _ = tokio::signal::ctrl_c() => break None,
+            }
+        };
+        let Some(token) = leading else { break };
+        info!(
+            token = token.generation,
+            "this replica is the active controller"
+        );
+        ctx.metrics.leading.set(1);
+        let api: Api<FencedLease> = match &args.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let controller = Controller::new(api, watcher::Config::default().any_semantic())
+            .shutdown_on_signal()
+            .run(reconcile, error_policy, ctx.clone())
+            .for_each(|res| async move {
+                if let Err(e) = res {
+                    tracing::debug!(error = %e, "reconcile error");
+                }
+            });
+        tokio::pin!(controller);
+        // Run until leadership is lost, by event or by deadline.
+        let outcome = loop {
+            let s = state.borrow().clone();
+            let deadline = match &s {
+                LeaderState::Leading { valid_until, .. } => *valid_until,
+                _ => break "lost",
+            };
+            tokio::select! {
+                () = &mut controller => break "stopped",
+                r = state.changed() => if r.is_err() { break "lost" },
+                () = tokio::time::sleep_until(deadline) => {
+                    if state.borrow().leading_token(Instant::now()).is_none() { break "lost" }
+                }
+                _ = sigterm.recv() => break "stopped",
+            }
+        };
+        ctx.metrics.leading.set(0);
+        if outcome == "stopped" {
+            break;
+        }
+        warn!("lost the controller lease: standing by");
+    }
+    info!("shutting down");
+    ready.store(false, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    if let Ok(Err(e)) = elector_task.await {
+        warn!(error = %e, "the elector ended with an error");
+    }
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
+        Err(e) => warn!(error = %e, "the metrics server task failed"),
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
