@@ -13,11 +13,7 @@ use kube::{Api, Client, CustomResourceExt};
 const CRD_NAME: &str = "fencedleases.fencedlease.io";
 
 fn dynamic(client: &Client, ns: &str) -> Api<DynamicObject> {
-    Api::namespaced_with(
-        client.clone(),
-        ns,
-        &ApiResource::erase::<FencedLease>(&()),
-    )
+    Api::namespaced_with(client.clone(), ns, &ApiResource::erase::<FencedLease>(&()))
 }
 
 fn raw_lease(name: &str, spec: serde_json::Value) -> DynamicObject {
@@ -53,13 +49,17 @@ async fn crd_installs_with_kubectl_apply_and_server_side_apply_and_is_establishe
         .await
         .expect("server-side apply of the generated CRD must work on the 1.20 server");
     assert_eq!(applied.spec.names.short_names, Some(vec!["flease".into()]));
-    eventually(Duration::from_secs(30), "the CRD to be Established", || async {
-        let conds = crds.get(CRD_NAME).await.ok()?.status?.conditions?;
-        conds
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the CRD to be Established",
+        || async {
+            let conds = crds.get(CRD_NAME).await.ok()?.status?.conditions?;
+            conds
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+                .then_some(())
+        },
+    )
     .await;
 }
 
@@ -69,7 +69,10 @@ async fn server_fills_in_defaults() {
     ensure_crd();
     let ns = TestNamespace::new(&client, "defaults").await;
     dynamic(&client, &ns.name)
-        .create(&PostParams::default(), &raw_lease("db", serde_json::json!({})))
+        .create(
+            &PostParams::default(),
+            &raw_lease("db", serde_json::json!({})),
+        )
         .await
         .expect("an empty spec is valid");
     let lease = Api::<FencedLease>::namespaced(client.clone(), &ns.name)
@@ -123,25 +126,21 @@ async fn spec_change_bumps_generation_and_status_write_does_not() {
         ..Default::default()
     });
     let renewed = api
-        .replace_status(
-            "writer",
-            &PostParams::default(),
-            &renewed,
-        )
+        .replace_status("writer", &PostParams::default(), &renewed)
         .await
         .expect("status write");
-    assert_eq!(renewed.token(), Some(2), "a status write must not change the token");
+    assert_eq!(
+        renewed.token(),
+        Some(2),
+        "a status write must not change the token"
+    );
     assert_eq!(renewed.status.as_ref().and_then(|s| s.token), Some(2));
 
     // And the status subresource ignores spec changes smuggled into it.
     let mut smuggled = renewed.clone();
     smuggled.spec.holder_identity = Some("intruder".into());
     let after = api
-        .replace_status(
-            "writer",
-            &PostParams::default(),
-            &smuggled,
-        )
+        .replace_status("writer", &PostParams::default(), &smuggled)
         .await
         .expect("status write");
     assert_eq!(after.holder(), Some("pod-a"));
@@ -155,15 +154,30 @@ async fn invalid_objects_are_refused_with_a_readable_message() {
     let ns = TestNamespace::new(&client, "invalid").await;
     let api = dynamic(&client, &ns.name);
     let cases = [
-        (serde_json::json!({"leaseDurationSeconds": 0}), "leaseDurationSeconds"),
-        (serde_json::json!({"leaseDurationSeconds": -5}), "leaseDurationSeconds"),
-        (serde_json::json!({"leaseDurationSeconds": 3601}), "leaseDurationSeconds"),
-        (serde_json::json!({"leaseDurationSeconds": "15s"}), "leaseDurationSeconds"),
+        (
+            serde_json::json!({"leaseDurationSeconds": 0}),
+            "leaseDurationSeconds",
+        ),
+        (
+            serde_json::json!({"leaseDurationSeconds": -5}),
+            "leaseDurationSeconds",
+        ),
+        (
+            serde_json::json!({"leaseDurationSeconds": 3601}),
+            "leaseDurationSeconds",
+        ),
+        (
+            serde_json::json!({"leaseDurationSeconds": "15s"}),
+            "leaseDurationSeconds",
+        ),
         (serde_json::json!({"holderIdentity": 7}), "holderIdentity"),
     ];
     for (i, (spec, field)) in cases.into_iter().enumerate() {
         let name = format!("bad-{i}");
-        match api.create(&PostParams::default(), &raw_lease(&name, spec.clone())).await {
+        match api
+            .create(&PostParams::default(), &raw_lease(&name, spec.clone()))
+            .await
+        {
             Err(kube::Error::Api(s)) => {
                 assert_eq!(s.code, 422, "{spec}: {s:?}");
                 assert!(
@@ -179,7 +193,10 @@ async fn invalid_objects_are_refused_with_a_readable_message() {
     for (i, d) in [1, 3600].into_iter().enumerate() {
         api.create(
             &PostParams::default(),
-            &raw_lease(&format!("edge-{i}"), serde_json::json!({"leaseDurationSeconds": d})),
+            &raw_lease(
+                &format!("edge-{i}"),
+                serde_json::json!({"leaseDurationSeconds": d}),
+            ),
         )
         .await
         .unwrap_or_else(|e| panic!("leaseDurationSeconds {d} is valid: {e}"));
@@ -204,24 +221,28 @@ async fn kubectl_get_shows_the_printer_columns() {
         token: Some(1),
         ..Default::default()
     });
-    api.replace_status(
-        "inventory",
-        &PostParams::default(),
-        &with_status,
-    )
-    .await
-    .expect("status write");
+    api.replace_status("inventory", &PostParams::default(), &with_status)
+        .await
+        .expect("status write");
 
     let (ok, out, err) = kubectl(&["get", "flease", "-n", &ns.name]);
     assert!(ok, "kubectl get flease (short name) failed: {err}");
     let mut lines = out.lines();
-    let header: Vec<&str> = lines.next().unwrap_or_default().split_whitespace().collect();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     assert_eq!(
         header,
         ["NAME", "HOLDER", "TOKEN", "DURATION", "RENEWED", "EXPIRES", "AGE"],
         "{out}"
     );
-    let row: Vec<&str> = lines.next().unwrap_or_default().split_whitespace().collect();
+    let row: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     assert_eq!(&row[..4], ["inventory", "pod-a", "1", "15"], "{out}");
 }
 
@@ -230,10 +251,14 @@ async fn kubectl_explain_reads_well() {
     let _client = client().await;
     ensure_crd();
     // 1.20 publishes CRD schemas to OpenAPI a moment after Established.
-    let out = eventually(Duration::from_secs(30), "kubectl explain to know the CRD", || async {
-        let (ok, out, _) = kubectl(&["explain", "fencedlease.spec"]);
-        (ok && out.contains("leaseDurationSeconds")).then_some(out)
-    })
+    let out = eventually(
+        Duration::from_secs(30),
+        "kubectl explain to know the CRD",
+        || async {
+            let (ok, out, _) = kubectl(&["explain", "fencedlease.spec"]);
+            (ok && out.contains("leaseDurationSeconds")).then_some(out)
+        },
+    )
     .await;
     assert!(out.contains("holderIdentity"), "{out}");
     assert!(out.contains("preferredHolder"), "{out}");
