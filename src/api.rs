@@ -36,7 +36,6 @@ fn default_lease_duration_seconds() -> i32 {
     printcolumn = r#"{"name":"Token","type":"integer","jsonPath":".status.token","description":"Fencing token of the current holder (metadata.generation at acquisition)"}"#,
     printcolumn = r#"{"name":"Duration","type":"integer","jsonPath":".spec.leaseDurationSeconds","description":"Lease duration in seconds"}"#,
     printcolumn = r#"{"name":"Renewed","type":"date","jsonPath":".status.renewTime","description":"When the holder last renewed"}"#,
-    printcolumn = r#"{"name":"Expires","type":"date","jsonPath":".status.expiryTime","description":"When the lease expires unless renewed, as the controller sees it"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]

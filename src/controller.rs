@@ -200,8 +200,15 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
         );
         prev.map(|p| (p.holder, obs))
     };
+    let revoked_here = {
+        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.get(&k)
+            .and_then(|s| s.revoked_generation)
+            .is_some_and(|g| Some(g) == lease.metadata.generation)
+    };
     if let Some((prev_holder, _)) = &previous {
-        if *prev_holder != holder {
+        // A revocation already has its own Event.
+        if *prev_holder != holder && !revoked_here {
             let token = lease.token().unwrap_or_default();
             let (reason, note, event) = match (prev_holder, &holder) {
                 (Some(p), Some(h)) => (

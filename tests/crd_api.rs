@@ -235,7 +235,7 @@ async fn kubectl_get_shows_the_printer_columns() {
         .collect();
     assert_eq!(
         header,
-        ["NAME", "HOLDER", "TOKEN", "DURATION", "RENEWED", "EXPIRES", "AGE"],
+        ["NAME", "HOLDER", "TOKEN", "DURATION", "RENEWED", "AGE"],
         "{out}"
     );
     let row: Vec<&str> = lines
