@@ -22,6 +22,11 @@ pub enum Command {
     /// Run the controller: keeps FencedLease status true, revokes expired leases, emits
     /// Events. Several replicas may run; one is active.
     Controller(crate::controller::ControllerArgs),
+    /// Run the fencing admission webhook: the API server refuses writes to protected objects
+    /// that carry a stale, missing or forged token.
+    Webhook(crate::webhook::WebhookArgs),
+    /// Generate a local CA and webhook serving certificate; print the caBundle (base64).
+    Certs(crate::webhook::CertsArgs),
 }
 
 /// Runs the chosen subcommand.
@@ -34,5 +39,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         }
         Command::Campaign(args) => crate::campaign::run(args).await,
         Command::Controller(args) => crate::controller::run(args).await,
+        Command::Webhook(args) => crate::webhook::run(args).await,
+        Command::Certs(args) => crate::webhook::certs(args),
     }
 }

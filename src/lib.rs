@@ -10,5 +10,7 @@ pub mod campaign;
 pub mod cli;
 pub mod controller;
 pub mod crdgen;
+pub mod fencing;
 pub mod lease;
 pub mod metrics;
+pub mod webhook;

@@ -15,6 +15,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
 pub mod procs;
+pub mod webhook;
 
 pub const DEFAULT_KUBECONFIG: &str = "/tmp/fencedlease-cluster/kubeconfig";
 
@@ -102,7 +103,7 @@ impl TestNamespace {
         let suffix: u32 = rand_u32();
         let name = format!("{prefix}-{suffix:08x}");
         let ns: Namespace = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": name, "labels": {"fencedlease.io/test": "true"}}
+            "metadata": {"name": name, "labels": {"fencedlease.io/test": "true", "fencedlease.io/test-ns": name}}
         }))
         .expect("namespace literal");
         Api::<Namespace>::all(client.clone())

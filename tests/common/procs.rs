@@ -79,7 +79,7 @@ pub fn scratch_dir(test: &str) -> PathBuf {
     dir
 }
 
-fn spawn(name: &str, dir: &Path, args: &[&str]) -> Proc {
+pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
     let events = dir.join(format!("{name}.events"));
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
@@ -107,7 +107,7 @@ pub fn campaign(dir: &Path, ns: &str, lease: &str, identity: &str, duration: u32
     let script = "echo \"$FENCEDLEASE_TOKEN\" >> \"$0.tokens\"; \
                   while kill -0 $PPID 2>/dev/null; do sleep 0.1; done";
     let base = dir.join(identity);
-    spawn(
+    spawn_fencedlease(
         identity,
         dir,
         &[
@@ -135,7 +135,7 @@ pub fn campaign(dir: &Path, ns: &str, lease: &str, identity: &str, duration: u32
 
 /// The controller, scoped to one namespace, with its election lease there too.
 pub fn controller(dir: &Path, ns: &str, identity: &str) -> Proc {
-    spawn(
+    spawn_fencedlease(
         identity,
         dir,
         &[

@@ -1,0 +1,200 @@
+//! A real `fencedlease webhook` process, registered with the real API server by URL, scoped to
+//! one test namespace so that tests running in parallel do not see each other's webhooks.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use kube::api::PostParams;
+use kube::{Api, Client};
+
+use super::procs::{spawn_fencedlease, Proc};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port on 127.0.0.1")
+}
+
+/// Writes certificates into a Kubernetes-style Secret mount: timestamped folder, `..data`
+/// symlink, and `tls.crt`/`tls.key` links through it. Returns the caBundle.
+pub fn issue_certs(mount: &Path, reuse_ca: bool) -> String {
+    let staging = mount.join("staging");
+    if reuse_ca {
+        // keep ca.crt/ca.key in staging
+    } else {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencedlease"));
+    cmd.args([
+        "certs",
+        "--out",
+        staging.to_str().expect("utf-8"),
+        "--host",
+        "127.0.0.1",
+    ]);
+    if reuse_ca {
+        cmd.arg("--reuse-ca");
+    }
+    let out = cmd.output().expect("run fencedlease certs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bundle = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_string();
+    // The atomic swap kubelet does for Secret volumes.
+    let version = mount.join(format!("..{:08x}", super::rand_u32()));
+    std::fs::create_dir_all(&version).expect("mkdir version");
+    for f in ["tls.crt", "tls.key"] {
+        std::fs::copy(staging.join(f), version.join(f)).expect("copy cert");
+    }
+    let tmp_link = mount.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp_link);
+    std::os::unix::fs::symlink(version.file_name().expect("name"), &tmp_link).expect("symlink");
+    std::fs::rename(&tmp_link, mount.join("..data")).expect("swap ..data");
+    for f in ["tls.crt", "tls.key"] {
+        let link = mount.join(f);
+        if std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(format!("..data/{f}"), &link).expect("link");
+        }
+    }
+    bundle
+}
+
+pub struct Webhook {
+    pub proc: Proc,
+    pub port: u16,
+    pub metrics_port: u16,
+    pub mount: PathBuf,
+    pub config_name: String,
+}
+
+impl Webhook {
+    /// Starts the webhook and registers it for labelled ConfigMaps in namespace `ns`.
+    pub async fn start(client: &Client, dir: &Path, ns: &str) -> Webhook {
+        let mount = dir.join("certs");
+        std::fs::create_dir_all(&mount).expect("mkdir certs");
+        let bundle = issue_certs(&mount, false);
+        let port = free_port();
+        let metrics_port = free_port();
+        let proc = spawn_fencedlease(
+            "webhook",
+            dir,
+            &[
+                "webhook",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--tls-cert",
+                mount.join("tls.crt").to_str().expect("utf-8"),
+                "--tls-key",
+                mount.join("tls.key").to_str().expect("utf-8"),
+                "--tls-reload-seconds",
+                "1",
+                "--metrics-addr",
+                &format!("127.0.0.1:{metrics_port}"),
+            ],
+        );
+        let config_name = format!("fencedlease-test-{ns}");
+        let wh = Webhook {
+            proc,
+            port,
+            metrics_port,
+            mount,
+            config_name,
+        };
+        wh.wait_ready().await;
+        wh.register(client, ns, &bundle).await;
+        wh
+    }
+
+    async fn wait_ready(&self) {
+        super::eventually(
+            Duration::from_secs(20),
+            "the webhook to be ready",
+            || async {
+                let out = Command::new("curl")
+                    .args([
+                        "-fsS",
+                        "--max-time",
+                        "1",
+                        &format!("http://127.0.0.1:{}/readyz", self.metrics_port),
+                    ])
+                    .output()
+                    .ok()?;
+                out.status.success().then_some(())
+            },
+        )
+        .await;
+    }
+
+    pub fn metrics(&self) -> String {
+        let out = Command::new("curl")
+            .args([
+                "-fsS",
+                "--max-time",
+                "2",
+                &format!("http://127.0.0.1:{}/metrics", self.metrics_port),
+            ])
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    async fn register(&self, client: &Client, ns: &str, bundle: &str) {
+        let cfg: ValidatingWebhookConfiguration = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": self.config_name},
+            "webhooks": [{
+                "name": "fencing.fencedlease.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 5,
+                "clientConfig": {"url": format!("https://127.0.0.1:{}/validate", self.port), "caBundle": bundle},
+                "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
+                "objectSelector": {"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]},
+                "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                           "resources": ["configmaps"], "scope": "Namespaced"}]
+            }]
+        }))
+        .expect("webhook configuration literal");
+        Api::<ValidatingWebhookConfiguration>::all(client.clone())
+            .create(&PostParams::default(), &cfg)
+            .await
+            .expect("register the webhook");
+        // The API server picks configurations up asynchronously: wait until a labelled write
+        // without a token is refused by our webhook.
+        let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), ns);
+        super::eventually(Duration::from_secs(20), "the webhook to be in effect", || async {
+            let probe: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "webhook-probe", "labels": {"fencedlease.io/lease": "probe"}}
+            }))
+            .ok()?;
+            match cms.create(&PostParams::default(), &probe).await {
+                Err(kube::Error::Api(s)) if s.message.contains("fencedlease") => Some(()),
+                Ok(_) => {
+                    let _ = cms.delete("webhook-probe", &Default::default()).await;
+                    None
+                }
+                Err(_) => None,
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let _ = super::kubectl(&[
+            "delete",
+            "validatingwebhookconfiguration",
+            &self.config_name,
+            "--wait=false",
+        ]);
+    }
+}
