@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job: a real local Kubernetes, the CRD applied with kubectl, the controller, and two
-# workers campaigning for one FencedLease. Worker A leads; it is paused (SIGSTOP) past its
-# lease, as a long GC or a stalled VM would; B takes over with a larger token; A resumes and
-# reports that it no longer leads. Exits non-zero if the outcome is not the expected one.
+# The main job, the articles' story for real: a local Kubernetes, the CRD applied with kubectl,
+# the controller and the fencing webhook, and two workers sharing an inventory with one item
+# left. Worker A leads and starts a reservation; it is paused (SIGSTOP) past its lease, as a
+# long GC or a stalled VM would; B takes over with a larger token and reserves the item; A
+# resumes and writes its reservation with its old token: the API server refuses it. Then the
+# same story without fencing shows the double booking it prevents. Exits non-zero if either
+# outcome is not the expected one.
 #
 #   hack/demo.sh                    run it (brings up the local Kubernetes if needed)
 #   FL_KEEP_CLUSTER=1 hack/demo.sh  leave the cluster running afterwards
@@ -27,10 +30,13 @@ bin="$FL_REPO/target/debug/fencedlease"
 work=$(mktemp -d /tmp/fencedlease-demo.XXXXXX)
 pids=()
 cleanup_procs() {
-  for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do
+    kill -CONT -- "-$p" "$p" 2>/dev/null || true
+    kill -- "-$p" "$p" 2>/dev/null || true
+  done
   wait 2>/dev/null || true
 }
-trap 'cleanup_procs; [ $started_cluster = 0 ] || hack/cluster.sh down' EXIT
+trap 'cleanup_procs; kubectl delete validatingwebhookconfiguration fencedlease-demo --ignore-not-found >/dev/null 2>&1; [ $started_cluster = 0 ] || hack/cluster.sh down' EXIT
 
 ns=demo
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -43,71 +49,101 @@ kubectl wait --for=condition=Established --timeout=60s crd/fencedleases.fencedle
 kubectl delete namespace "$ns" --ignore-not-found --wait=true >/dev/null
 kubectl create namespace "$ns" >/dev/null
 
-say "2. the controller (keeps status, revokes expired leases, emits Events)"
+say "2. the controller and the fencing webhook"
 RUST_LOG=info "$bin" controller --namespace "$ns" --election-namespace "$ns" --identity controller-0 \
   --metrics-addr 127.0.0.1:0 >"$work/controller.log" 2>&1 &
 pids+=($!)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+bundle=$("$bin" certs --out "$work/certs" --host 127.0.0.1)
+RUST_LOG=info "$bin" webhook --listen "127.0.0.1:$port" --tls-cert "$work/certs/tls.crt" \
+  --tls-key "$work/certs/tls.key" --metrics-addr 127.0.0.1:0 >"$work/webhook.log" 2>&1 &
+pids+=($!)
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata: {name: fencedlease-demo}
+webhooks:
+- name: fencing.fencedlease.io
+  admissionReviewVersions: [v1]
+  sideEffects: None
+  failurePolicy: Fail
+  timeoutSeconds: 5
+  clientConfig: {url: "https://127.0.0.1:$port/validate", caBundle: "$bundle"}
+  namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: $ns}}
+  objectSelector: {matchExpressions: [{key: fencedlease.io/lease, operator: Exists}]}
+  rules: [{apiGroups: [""], apiVersions: [v1], operations: [CREATE, UPDATE], resources: [configmaps], scope: Namespaced}]
+YAML
+# 1.20 does not label namespaces with their name yet: do it, for the selector above.
+kubectl label namespace "$ns" kubernetes.io/metadata.name="$ns" --overwrite >/dev/null
+echo "controller running; webhook serving https://127.0.0.1:$port/validate for labelled ConfigMaps in $ns"
 
-say "3. two workers campaign for FencedLease $ns/inventory (lease 3 s)"
-worker() { # NAME: runs a command while leading that prints its token every 0.5 s
-  RUST_LOG=warn "$bin" campaign --lease inventory --namespace "$ns" --identity "$1" --lease-duration 3 \
-    --events-file "$work/$1.events" -- \
-    sh -c 'while :; do echo "$(date +%T.%N | cut -c1-12) $FENCEDLEASE_IDENTITY works with token $FENCEDLEASE_TOKEN"; sleep 0.5; done' \
-    >"$work/$1.out" 2>"$work/$1.log" &
-  pids+=($!)
+# story LEASE CONFIGMAP LABELLED: one run of the story; prints the timeline, sets $final.
+story() {
+  local lease=$1 cm=$2 labelled=$3 timeline="$work/$2.timeline"
+  : >"$timeline"
+  local labels=""
+  declare -A wpid
+  [ "$labelled" = yes ] && labels="labels: {fencedlease.io/lease: $lease}"
+  # Create the inventory as the first holder would; its token comes from the lease.
+  "$bin" campaign --lease "$lease" --namespace "$ns" --identity setup --lease-duration 3 -- sh -c "
+    kubectl -n $ns apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: $cm
+  $labels
+  annotations: {fencedlease.io/token: \"\$FENCEDLEASE_TOKEN\", fencedlease.io/lease-uid: \"\$FENCEDLEASE_LEASE_UID\"}
+data: {items: \"1\", reservations: \"\"}
+YAML" 2>>"$work/setup.log" || die "creating the inventory failed (see $work/setup.log)"
+  worker() { # NAME THINK
+    setsid env RUST_LOG=warn "$bin" campaign --lease "$lease" --namespace "$ns" --identity "$1" \
+      --lease-duration 3 --grace-seconds 10 --events-file "$work/$lease-$1.events" -- \
+      "$FL_REPO/hack/demo-worker.sh" "$cm" "$timeline" "$2" 2>>"$work/$lease-$1.log" &
+    pids+=($!)
+    wpid[$1]=$!
+  }
+  worker worker-a 2
+  until grep -q "worker-a .*reads" "$timeline" 2>/dev/null; do sleep 0.05; done
+  worker worker-b 0
+  kill -STOP -- "-${wpid[worker-a]}"
+  echo "$(date +%s%N) worker-a is paused (SIGSTOP of its process group) past its 3 s lease" >>"$timeline"
+  for _ in $(seq 150); do grep -q "worker-b .*writes" "$timeline" && break; sleep 0.1; done
+  sleep 3
+  echo "$(date +%s%N) worker-a resumes" >>"$timeline"
+  kill -CONT -- "-${wpid[worker-a]}"
+  for _ in $(seq 100); do grep -q "worker-a .*writes" "$timeline" && break; sleep 0.1; done
+  sleep 0.5
+  python3 - "$timeline" <<'PY'
+import sys
+lines = [l.rstrip("\n").split(" ", 1) for l in open(sys.argv[1]) if l.strip()]
+t0 = min(int(t) for t, _ in lines)
+for t, what in sorted(lines, key=lambda x: int(x[0])):
+    print("  +%5.2fs  %s" % ((int(t) - t0) / 1e9, what))
+PY
+  final=$(kubectl -n "$ns" get configmap "$cm" -o jsonpath='items={.data.items} reservations=[{.data.reservations}]')
+  echo "  final inventory: $final"
+  kill -- "-${wpid[worker-a]}" "-${wpid[worker-b]}" 2>/dev/null || true
 }
-worker worker-a
-sleep 2
-worker worker-b
-sleep 1
-leader_token() { kubectl -n "$ns" get flease inventory -o jsonpath='{.spec.holderIdentity} {.metadata.generation}'; }
-read -r holder1 token1 <<<"$(leader_token)"
-[ "$holder1" = worker-a ] || die "expected worker-a to lead first, got '$holder1'"
-kubectl -n "$ns" get flease inventory
-echo "$(stamp) worker-a leads with token $token1"
 
-say "4. worker-a is paused (SIGSTOP) for 6 s, twice its lease"
-kill -STOP "${pids[1]}"
-echo "$(stamp) worker-a paused"
-for _ in $(seq 60); do
-  read -r holder2 token2 <<<"$(leader_token)"
-  [ "$holder2" = worker-b ] && break
-  sleep 0.1
-done
-[ "$holder2" = worker-b ] || die "worker-b did not take over (holder: '$holder2')"
-echo "$(stamp) worker-b leads with token $token2 (larger than $token1: $([ "$token2" -gt "$token1" ] && echo yes || echo NO))"
-[ "$token2" -gt "$token1" ] || die "the token did not increase"
-sleep 4
-kill -CONT "${pids[1]}"
-resumed_ns=$(date +%s%N)
-echo "$(stamp) worker-a resumed"
-sleep 1.5
+say "3. with fencing: the inventory ConfigMap is labelled fencedlease.io/lease=inventory"
+story inventory inventory yes
+fenced=$final
+grep -q "worker-a .*REFUSED.*stale token" "$work/inventory.timeline" || die "worker-a's stale write was not refused"
+[ "$fenced" = "items=0 reservations=[worker-b]" ] || die "unexpected inventory with fencing: $fenced"
 
-say "5. what each worker believed (from their own event logs)"
-cat "$work"/worker-*.events | sort | python3 -c '
-import json, sys
-evs = [json.loads(l) for l in sys.stdin]
-t0 = min(e["t_ns"] for e in evs)
-for e in sorted(evs, key=lambda e: e["t_ns"]):
-    if e["event"] in ("leading", "stopped"):
-        dt = (e["t_ns"] - t0) / 1e9
-        print("+%6.2fs  %-9s %-8s token %s" % (dt, e["identity"], e["event"], e.get("token")))
-'
-resumed_first=$(python3 -c '
-import json
-evs=[json.loads(l) for l in open("'"$work"'/worker-a.events")]
-after=[e for e in evs if e["t_ns"]>='"$resumed_ns"' and e["event"] in ("stopped","renewed","leading")]
-print(after[0]["event"] if after else "none")')
-[ "$resumed_first" = stopped ] || die "worker-a's first word after resuming should be 'stopped', was '$resumed_first'"
+say "4. the same story without fencing (no label: the webhook is not asked)"
+story unfenced inventory-unfenced no
+unfenced=$final
+[ "$(grep -c "writes its reservation: ACCEPTED" "$work/inventory-unfenced.timeline")" = 2 ] ||
+  die "without fencing, both writes should have been accepted"
+[ "$unfenced" = "items=0 reservations=[worker-a]" ] || die "expected worker-a's stale write to overwrite worker-b's, got: $unfenced"
 
-say "6. kubectl get flease, and the Events the controller emitted"
-kubectl -n "$ns" get flease inventory
+say "5. the lease and the Events the controller emitted"
+kubectl -n "$ns" get flease
 kubectl -n "$ns" get events --sort-by=.metadata.creationTimestamp \
-  -o custom-columns=REASON:.reason,OBJECT:.involvedObject.name,MESSAGE:.message
-echo
-echo "worker-a's command was not paused with it, and kept working with token $token1 until"
-echo "worker-a resumed and stopped it; these are the stale writes that fencing must refuse:"
-tail -n 2 "$work/worker-a.out"
-echo "worker-b's own output ends with:"; tail -n 2 "$work/worker-b.out"
-say "result: one leader at a time; the paused worker was replaced with a larger token and stepped down on resuming"
-echo "(the fencing webhook, which makes the API server refuse the paused worker's stale writes, is the next step: see issue 'Fencing webhook')"
+  -o custom-columns=REASON:.reason,OBJECT:.involvedObject.name,MESSAGE:.message | grep -v setup || true
+
+say "result"
+echo "with fencing:    $fenced   (worker-a's late write was refused: one reservation)"
+echo "without fencing: $unfenced   (both were told ACCEPTED for the one item; worker-a's stale"
+echo "                 write silently overwrote worker-b's reservation)"

@@ -314,19 +314,31 @@ async fn write_status(
                 .unwrap_or_else(|_| jiff::Timestamp::now()),
         )
     });
+    // The holder writes holderIdentity and token; when nobody holds the lease, nobody else
+    // would clear them, so the controller does.
+    let free = lease.holder().is_none();
+    let stale_holder_fields = free && (status.holder_identity.is_some() || status.token.is_some());
     let unchanged = status.observed_generation == generation
         && same_conditions(&status.conditions, &merged)
-        && status.expiry_time.is_some() == expiry.is_some();
+        && status.expiry_time.is_some() == expiry.is_some()
+        && !stale_holder_fields;
     if unchanged {
         return Ok(());
     }
-    let patch = serde_json::json!({
+    // With the resourceVersion it was computed from: if a holder wrote meanwhile, the patch
+    // fails with 409 and the reconcile runs again on fresh data.
+    let mut patch = serde_json::json!({
+        "metadata": {"resourceVersion": lease.metadata.resource_version},
         "status": {
             "observedGeneration": generation,
             "conditions": merged,
             "expiryTime": expiry,
         }
     });
+    if free {
+        patch["status"]["holderIdentity"] = serde_json::Value::Null;
+        patch["status"]["token"] = serde_json::Value::Null;
+    }
     match api
         .patch_status(
             &lease.name_any(),
@@ -411,11 +423,14 @@ async fn publish(
         .lease_events
         .get_or_create(&EventLabel { event })
         .inc();
+    // The Recorder folds events with the same (reason, action, object) into one series that
+    // keeps the first note; every change of holder is a distinct fact, so the token goes into
+    // the action.
     let ev = Event {
         type_,
         reason: reason.into(),
         note: Some(note),
-        action: reason.into(),
+        action: format!("{reason}Token{}", lease.token().unwrap_or_default()),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &lease.object_ref(&())).await {

@@ -1,0 +1,23 @@
+#!/bin/sh
+# A demo worker, run by `fencedlease campaign` while it leads: reserves the last item of an
+# inventory ConfigMap with a blind read-modify-write, sending its fencing token along.
+#   demo-worker.sh CONFIGMAP TIMELINE THINK_SECONDS
+cm=$1 timeline=$2 think=$3
+say() { echo "$(date +%s%N) $FENCEDLEASE_IDENTITY (token $FENCEDLEASE_TOKEN): $*" >>"$timeline"; }
+items=$(kubectl -n "$FENCEDLEASE_NAMESPACE" get configmap "$cm" -o jsonpath='{.data.items}')
+reservations=$(kubectl -n "$FENCEDLEASE_NAMESPACE" get configmap "$cm" -o jsonpath='{.data.reservations}')
+say "reads $cm: $items item(s) left, reserved by: ${reservations:-nobody}"
+if [ "${items:-0}" -gt 0 ]; then
+  # A reservation already under way is finished before honouring a stop, as real apps do.
+  trap '' TERM
+  sleep "$think"
+  patch=$(printf '{"metadata":{"annotations":{"fencedlease.io/token":"%s","fencedlease.io/lease-uid":"%s"}},"data":{"items":"%s","reservations":"%s"}}' \
+    "$FENCEDLEASE_TOKEN" "$FENCEDLEASE_LEASE_UID" "$((items - 1))" "${reservations:+$reservations }$FENCEDLEASE_IDENTITY")
+  if out=$(kubectl -n "$FENCEDLEASE_NAMESPACE" patch configmap "$cm" --type merge -p "$patch" 2>&1); then
+    say "writes its reservation: ACCEPTED"
+  else
+    say "writes its reservation: REFUSED by the API server: ${out#*denied the request: }"
+  fi
+  trap - TERM
+fi
+while :; do sleep 1; done
