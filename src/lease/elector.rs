@@ -90,6 +90,7 @@ pub struct ElectorConfig {
 pub struct ElectorHandle {
     pub state: watch::Receiver<LeaderState>,
     release: Arc<Notify>,
+    eligible: Arc<watch::Sender<bool>>,
 }
 
 impl ElectorHandle {
@@ -97,6 +98,17 @@ impl ElectorHandle {
     /// for one lease duration so that another candidate takes over.
     pub fn request_release(&self) {
         self.release.notify_one();
+    }
+
+    /// Marks this participant (in)eligible to lead, say while the app it fronts is unhealthy.
+    /// An ineligible holder releases the lease at once; an ineligible candidate does not
+    /// acquire. Participants start eligible.
+    pub fn set_eligible(&self, eligible: bool) {
+        self.eligible.send_if_modified(|cur| {
+            let changed = *cur != eligible;
+            *cur = eligible;
+            changed
+        });
     }
 }
 
@@ -107,6 +119,7 @@ pub struct Elector {
     origin: Instant,
     state: watch::Sender<LeaderState>,
     release: Arc<Notify>,
+    eligible: watch::Receiver<bool>,
     latest: Option<FencedLease>,
     obs: Option<Observation>,
     tenure: Option<(Tenure, String)>,
@@ -123,12 +136,14 @@ impl Elector {
         }
         let (tx, rx) = watch::channel(LeaderState::Unknown);
         let release = Arc::new(Notify::new());
+        let (eligible_tx, eligible_rx) = watch::channel(true);
         let elector = Elector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
             origin: Instant::now(),
             state: tx,
             release: release.clone(),
+            eligible: eligible_rx,
             latest: None,
             obs: None,
             tenure: None,
@@ -137,7 +152,14 @@ impl Elector {
             last_renew_wall: None,
             last_create_attempt: None,
         };
-        Ok((elector, ElectorHandle { state: rx, release }))
+        Ok((
+            elector,
+            ElectorHandle {
+                state: rx,
+                release,
+                eligible: Arc::new(eligible_tx),
+            },
+        ))
     }
 
     fn mono(&self, at: Instant) -> Mono {
@@ -165,6 +187,8 @@ impl Elector {
             watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.lease));
         let mut stream = watcher(self.api.clone(), config).default_backoff().boxed();
         let release = self.release.clone();
+        let mut eligible = self.eligible.clone();
+        let mut eligible_open = true;
         tokio::pin!(shutdown);
         let mut listed_any = false;
         loop {
@@ -175,6 +199,10 @@ impl Elector {
                     self.release("shutdown").await;
                     self.publish(LeaderState::Unknown);
                     return Ok(());
+                }
+                r = eligible.changed(), if eligible_open => {
+                    // Err: every handle is gone, so nobody can change eligibility any more.
+                    eligible_open = r.is_ok();
                 }
                 () = release.notified() => {
                     if self.tenure.is_some() {
@@ -271,6 +299,12 @@ impl Elector {
         };
         let timing = self.timing(&lease);
         let retry_at = self.retry_at.filter(|r| *r > now);
+        let eligible = *self.eligible.borrow();
+        if !eligible && self.tenure.is_some() {
+            self.release("no longer eligible (the app is unhealthy)")
+                .await;
+            return now;
+        }
 
         if let Some((mut tenure, uid)) = self.tenure.clone() {
             if lease.metadata.uid.as_deref() != Some(uid.as_str()) {
@@ -337,6 +371,9 @@ impl Elector {
             }
             if let Some(r) = retry_at {
                 return r;
+            }
+            if !eligible {
+                return idle;
             }
             let preferred = lease.spec.preferred_holder.as_deref();
             match candidate_decision(
