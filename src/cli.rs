@@ -25,6 +25,14 @@ pub enum Command {
     /// Run the fencing admission webhook: the API server refuses writes to protected objects
     /// that carry a stale, missing or forged token.
     Webhook(crate::webhook::WebhookArgs),
+    /// Run beside an app: campaign for a lease and hand the app the token over a loopback
+    /// HTTP API and a file.
+    Sidecar(crate::sidecar::SidecarArgs),
+    /// Exit 0 if an http:// URL answers 2xx within two seconds (for exec probes).
+    Probe {
+        /// The URL to GET, for example http://127.0.0.1:8787/readyz.
+        url: String,
+    },
     /// Generate a local CA and webhook serving certificate; print the caBundle (base64).
     Certs(crate::webhook::CertsArgs),
 }
@@ -41,5 +49,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Controller(args) => crate::controller::run(args).await,
         Command::Webhook(args) => crate::webhook::run(args).await,
         Command::Certs(args) => crate::webhook::certs(args),
+        Command::Sidecar(args) => crate::sidecar::run(args).await,
+        Command::Probe { url } => {
+            let url = crate::sidecar::parse_http_url(&url).map_err(anyhow::Error::msg)?;
+            let ok = crate::sidecar::check_health(&url, std::time::Duration::from_secs(2)).await;
+            Ok(if ok {
+                std::process::ExitCode::SUCCESS
+            } else {
+                std::process::ExitCode::FAILURE
+            })
+        }
     }
 }

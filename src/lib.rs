@@ -13,4 +13,5 @@ pub mod crdgen;
 pub mod fencing;
 pub mod lease;
 pub mod metrics;
+pub mod sidecar;
 pub mod webhook;

@@ -6,6 +6,7 @@
 //! its configuration lists only the protected resource types.
 
 pub mod admission;
+pub mod inject;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -71,6 +72,16 @@ pub struct WebhookArgs {
         default_value = "127.0.0.1:9091"
     )]
     pub metrics_addr: SocketAddr,
+    /// Image of the injected sidecar (served at /mutate).
+    #[arg(
+        long,
+        env = "FENCEDLEASE_SIDECAR_IMAGE",
+        default_value = "fencedlease:0.1.0"
+    )]
+    pub sidecar_image: String,
+    /// imagePullPolicy of the injected sidecar.
+    #[arg(long, default_value = "IfNotPresent", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub sidecar_image_pull_policy: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -122,6 +133,7 @@ struct ResultLabel {
 /// The webhook's metrics. `result` is one of a fixed set of words.
 struct WebhookMetrics {
     admissions: Family<ResultLabel, Counter>,
+    injections: Family<ResultLabel, Counter>,
     seconds: Histogram,
     fresh_reads: Counter,
 }
@@ -130,6 +142,7 @@ impl WebhookMetrics {
     fn register(r: &mut Registry) -> WebhookMetrics {
         let m = WebhookMetrics {
             admissions: Family::default(),
+            injections: Family::default(),
             seconds: Histogram::new(exponential_buckets(0.00005, 2.0, 16)),
             fresh_reads: Counter::default(),
         };
@@ -137,6 +150,11 @@ impl WebhookMetrics {
             "fencedlease_webhook_admissions",
             "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_future, denied_free, denied_no_lease, warned, passed, invalid, error",
             m.admissions.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_injections",
+            "Pod admissions at /mutate: injected, skipped, refused (bad annotations), invalid",
+            m.injections.clone(),
         );
         r.register(
             "fencedlease_webhook_admission_seconds",
@@ -154,6 +172,7 @@ impl WebhookMetrics {
 
 struct Shared {
     client: Client,
+    inject: inject::InjectConfig,
     store: Store<FencedLease>,
     metrics: WebhookMetrics,
     ready: Arc<AtomicBool>,
@@ -239,6 +258,25 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     review_response(&review)
 }
 
+async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
+    let started = Instant::now();
+    let (review, label) = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Err(_) => (
+            admission::unreadable(&format!(
+                "the body is larger than {MAX_BODY_BYTES} bytes or broken"
+            )),
+            "invalid",
+        ),
+        Ok(bytes) => inject::review(&bytes, &s.inject),
+    };
+    s.metrics.seconds.observe(started.elapsed().as_secs_f64());
+    s.metrics
+        .injections
+        .get_or_create(&ResultLabel { result: label })
+        .inc();
+    review_response(&review)
+}
+
 async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     if s.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ok")
@@ -247,12 +285,36 @@ async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     }
 }
 
+/// Loads the serving certificate, waiting for the files to appear: with self-managed
+/// certificates the active controller writes the Secret that kubelet then mounts.
+async fn wait_for_certificate(
+    files: &CertFiles,
+) -> anyhow::Result<(rustls::sign::CertifiedKey, Vec<u8>)> {
+    let started = Instant::now();
+    let mut next_log = Duration::ZERO;
+    loop {
+        match tls::load(files) {
+            Ok(loaded) => return Ok(loaded),
+            Err(tls::TlsError::Read { path, source })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                if started.elapsed() >= next_log {
+                    info!(path = %path.display(), "waiting for the certificate files to appear");
+                    next_log += Duration::from_secs(10);
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context("loading the serving certificate")),
+        }
+    }
+}
+
 pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let files = CertFiles {
         cert: args.tls_cert.clone(),
         key: args.tls_key.clone(),
     };
-    let (first, fingerprint) = tls::load(&files).context("loading the serving certificate")?;
+    let (first, fingerprint) = wait_for_certificate(&files).await?;
     let cert = ReloadingCert::new(first);
     let tls_config =
         Arc::new(tls::server_config(cert.clone()).context("building the TLS configuration")?);
@@ -265,6 +327,13 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let version = client
+        .apiserver_version()
+        .await
+        .context("asking the API server for its version")?;
+    let native_sidecars = inject::supports_native_sidecars(&version.major, &version.minor);
+    info!(version = %version.git_version, native_sidecars, "injecting sidecars as {}",
+        if native_sidecars { "native sidecars (init containers that keep running)" } else { "ordinary containers" });
     let (store, writer) = reflector::store::<FencedLease>();
     let leases: Api<FencedLease> = Api::all(client.clone());
     let reflect = reflector::reflector(
@@ -284,6 +353,11 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let ready = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         client,
+        inject: inject::InjectConfig {
+            image: args.sidecar_image.clone(),
+            image_pull_policy: args.sidecar_image_pull_policy.clone(),
+            native_sidecars,
+        },
         store: store.clone(),
         metrics,
         ready: ready.clone(),
@@ -314,6 +388,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let app = Router::new()
         .route("/validate", post(validate))
+        .route("/mutate", post(mutate))
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .with_state(shared);

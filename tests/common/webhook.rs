@@ -69,6 +69,7 @@ pub fn issue_certs(mount: &Path, reuse_ca: bool) -> String {
 
 pub struct Webhook {
     pub proc: Proc,
+    pub bundle: String,
     pub port: u16,
     pub metrics_port: u16,
     pub mount: PathBuf,
@@ -103,6 +104,7 @@ impl Webhook {
         let config_name = format!("fencedlease-test-{ns}");
         let wh = Webhook {
             proc,
+            bundle: bundle.clone(),
             port,
             metrics_port,
             mount,
@@ -188,13 +190,46 @@ impl Webhook {
     }
 }
 
+impl Webhook {
+    /// Also registers /mutate for pod creation in namespace `ns` (sidecar injection).
+    pub async fn register_mutating(&self, client: &Client, ns: &str) {
+        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+        let cfg: MutatingWebhookConfiguration = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": self.config_name},
+            "webhooks": [{
+                "name": "inject.fencedlease.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "failurePolicy": "Fail",
+                "reinvocationPolicy": "Never",
+                "timeoutSeconds": 5,
+                "clientConfig": {"url": format!("https://127.0.0.1:{}/mutate", self.port), "caBundle": self.bundle},
+                "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
+                "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                           "resources": ["pods"], "scope": "Namespaced"}]
+            }]
+        }))
+        .expect("mutating configuration literal");
+        Api::<MutatingWebhookConfiguration>::all(client.clone())
+            .create(&PostParams::default(), &cfg)
+            .await
+            .expect("register the mutating webhook");
+    }
+}
+
 impl Drop for Webhook {
     fn drop(&mut self) {
-        let _ = super::kubectl(&[
-            "delete",
+        for kind in [
             "validatingwebhookconfiguration",
-            &self.config_name,
-            "--wait=false",
-        ]);
+            "mutatingwebhookconfiguration",
+        ] {
+            let _ = super::kubectl(&[
+                "delete",
+                kind,
+                &self.config_name,
+                "--ignore-not-found",
+                "--wait=false",
+            ]);
+        }
     }
 }

@@ -1,0 +1,615 @@
+//! `fencedlease sidecar`: campaigns for a lease beside an app and hands the app the fencing
+//! token over a loopback HTTP API and a file, so that apps in any language get fenced leader
+//! election.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, LeaderState};
+
+#[derive(Debug, clap::Args)]
+pub struct SidecarArgs {
+    /// Name of the FencedLease to campaign for (same namespace as the pod).
+    #[arg(long, env = "FENCEDLEASE_LEASE")]
+    pub lease: String,
+    /// Namespace of the FencedLease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// Identity of this candidate: the pod's name.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Loopback address of the sidecar API (/v1/status, /v1/token, /v1/watch, /v1/release).
+    #[arg(long, env = "FENCEDLEASE_LISTEN", default_value = "127.0.0.1:8787")]
+    pub listen: SocketAddr,
+    /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
+    #[arg(long, env = "FENCEDLEASE_LEASE_DURATION", default_value_t = 15,
+          value_parser = clap::value_parser!(i32).range(1..=3600))]
+    pub lease_duration: i32,
+    /// Folder for the token files: `token` and `lease-uid` exist only while leading.
+    #[arg(
+        long,
+        env = "FENCEDLEASE_TOKEN_DIR",
+        default_value = "/var/run/fencedlease"
+    )]
+    pub token_dir: PathBuf,
+    /// Make /readyz answer 200 only while this pod leads (a Service then routes to the leader).
+    #[arg(long, env = "FENCEDLEASE_READY_ONLY_WHEN_LEADER")]
+    pub ready_only_when_leader: bool,
+    /// http:// URL of the app's health endpoint: lead only while it answers 2xx in time.
+    #[arg(long, env = "FENCEDLEASE_APP_HEALTH_URL")]
+    pub app_health_url: Option<String>,
+    /// Consecutive failed health checks after which the lease is released.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub app_health_failures: u32,
+    /// Seconds between health checks (each may take at most this long).
+    #[arg(long, default_value_t = 1.0)]
+    pub app_health_interval_seconds: f64,
+}
+
+/// The JSON of `/v1/status` and of each `/v1/watch` event.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    pub lease: String,
+    pub namespace: String,
+    pub identity: String,
+    pub leading: bool,
+    /// The fencing token while leading.
+    pub token: Option<i64>,
+    /// The lease's UID, to send with the token (fencedlease.io/lease-uid).
+    #[serde(rename = "leaseUID")]
+    pub lease_uid: Option<String>,
+    /// The current holder as far as this sidecar knows.
+    pub holder: Option<String>,
+    /// While leading: milliseconds until leadership ends unless renewed.
+    pub time_left_ms: Option<u64>,
+    pub app_healthy: bool,
+}
+
+struct Shared {
+    lease: String,
+    namespace: String,
+    identity: String,
+    handle: ElectorHandle,
+    ready_only_when_leader: bool,
+    app_healthy: AtomicBool,
+    registry: Arc<Registry>,
+}
+
+impl Shared {
+    fn status(&self, state: &LeaderState) -> Status {
+        let now = Instant::now();
+        let (leading, token, uid, holder, left) = match state {
+            LeaderState::Leading { token, valid_until } if now < *valid_until => (
+                true,
+                Some(token.generation),
+                Some(token.lease_uid.clone()),
+                Some(self.identity.clone()),
+                Some(u64::try_from((*valid_until - now).as_millis()).unwrap_or(u64::MAX)),
+            ),
+            LeaderState::Following { holder, .. } => (false, None, None, holder.clone(), None),
+            _ => (false, None, None, None, None),
+        };
+        Status {
+            lease: self.lease.clone(),
+            namespace: self.namespace.clone(),
+            identity: self.identity.clone(),
+            leading,
+            token,
+            lease_uid: uid,
+            holder,
+            time_left_ms: left,
+            app_healthy: self.app_healthy.load(Ordering::Relaxed),
+        }
+    }
+
+    fn current(&self) -> Status {
+        let state = self.handle.state.borrow().clone();
+        self.status(&state)
+    }
+}
+
+async fn status(State(s): State<Arc<Shared>>) -> Json<Status> {
+    Json(s.current())
+}
+
+async fn token(State(s): State<Arc<Shared>>) -> Response {
+    let st = s.current();
+    match (st.token, st.lease_uid) {
+        (Some(token), Some(uid)) => {
+            Json(serde_json::json!({"token": token, "leaseUID": uid})).into_response()
+        }
+        _ => (
+            StatusCode::CONFLICT,
+            Json(serde_json::json!({
+                "error": "not leading",
+                "holder": st.holder,
+            })),
+        )
+            .into_response(),
+    }
+}
+
+async fn release(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    s.handle.request_release();
+    (
+        StatusCode::ACCEPTED,
+        Json(serde_json::json!({"releasing": true})),
+    )
+}
+
+async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let st = s.current();
+    let known = !matches!(*s.handle.state.borrow(), LeaderState::Unknown);
+    if (s.ready_only_when_leader && st.leading) || (!s.ready_only_when_leader && known) {
+        (StatusCode::OK, "ok")
+    } else if s.ready_only_when_leader {
+        (StatusCode::SERVICE_UNAVAILABLE, "not leading")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "lease state not known yet")
+    }
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &s.registry) {
+        Ok(()) => body.into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
+    }
+}
+
+/// Server-Sent Events: the current status at once, then one event per change, including the
+/// moment leadership runs out without a renewal.
+async fn watch_sse(
+    State(s): State<Arc<Shared>>,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let rx = s.handle.state.clone();
+    let stream = futures::stream::unfold((s, rx, None::<Status>), |(s, mut rx, last)| async move {
+        loop {
+            let state = rx.borrow_and_update().clone();
+            let st = s.status(&state);
+            // Time left shrinks continuously; it is not a change worth an event.
+            let unchanged = last.as_ref().is_some_and(|l| {
+                Status {
+                    time_left_ms: None,
+                    ..l.clone()
+                } == Status {
+                    time_left_ms: None,
+                    ..st.clone()
+                }
+            });
+            if !unchanged {
+                let data = serde_json::to_string(&st).unwrap_or_else(|_| "{}".into());
+                let ev = SseEvent::default().event("status").data(data);
+                return Some((Ok(ev), (s, rx, Some(st))));
+            }
+            let deadline = match &state {
+                LeaderState::Leading { valid_until, .. } if Instant::now() < *valid_until => {
+                    *valid_until
+                }
+                _ => Instant::now() + Duration::from_secs(3600),
+            };
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return None },
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// Keeps `token` and `lease-uid` in `dir` while leading (written atomically), removed otherwise.
+async fn token_files(
+    dir: PathBuf,
+    mut rx: watch::Receiver<LeaderState>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut written: Option<(i64, String)> = None;
+    loop {
+        let state = rx.borrow_and_update().clone();
+        let now = Instant::now();
+        let want = state
+            .leading_token(now)
+            .map(|t| (t.generation, t.lease_uid.clone()));
+        if want != written {
+            let res = match &want {
+                Some((token, uid)) => write_token_files(&dir, *token, uid),
+                None => remove_token_files(&dir),
+            };
+            match res {
+                Ok(()) => written = want,
+                Err(e) => {
+                    warn!(error = %e, dir = %dir.display(), "updating the token files failed")
+                }
+            }
+        }
+        let deadline = match &state {
+            LeaderState::Leading { valid_until, .. } if now < *valid_until => *valid_until,
+            _ => now + Duration::from_secs(3600),
+        };
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { break },
+            () = tokio::time::sleep_until(deadline) => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    if let Err(e) = remove_token_files(&dir) {
+        warn!(error = %e, "removing the token files failed");
+    }
+}
+
+fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, content)?;
+    std::fs::rename(&tmp, path)
+}
+
+fn write_token_files(dir: &Path, token: i64, uid: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    // lease-uid first: a reader that sees the token finds the matching uid already there.
+    write_atomic(&dir.join("lease-uid"), &format!("{uid}\n"))?;
+    write_atomic(&dir.join("token"), &format!("{token}\n"))
+}
+
+fn remove_token_files(dir: &Path) -> std::io::Result<()> {
+    for f in ["token", "lease-uid"] {
+        match std::fs::remove_file(dir.join(f)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A plain http:// URL split into what a GET needs.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HttpUrl {
+    pub host: String,
+    pub port: u16,
+    pub path: String,
+}
+
+/// Parses `http://host[:port][/path]`. Only plain HTTP: the app listens on the pod's loopback.
+pub fn parse_http_url(url: &str) -> Result<HttpUrl, String> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        format!("{url:?}: only http:// URLs are supported for the app health check")
+    })?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if authority.is_empty() {
+        return Err(format!("{url:?}: no host"));
+    }
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+            let port = p
+                .parse::<u16>()
+                .map_err(|_| format!("{url:?}: bad port {p:?}"))?;
+            (h.to_string(), port)
+        }
+        _ => (authority.to_string(), 80),
+    };
+    if host.is_empty() {
+        return Err(format!("{url:?}: no host"));
+    }
+    Ok(HttpUrl {
+        host,
+        port,
+        path: path.to_string(),
+    })
+}
+
+/// One health check: a GET that must answer 2xx within `timeout`.
+pub async fn check_health(url: &HttpUrl, timeout: Duration) -> bool {
+    let fut = async {
+        let mut stream = tokio::net::TcpStream::connect((url.host.as_str(), url.port))
+            .await
+            .ok()?;
+        let req = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: fencedlease-sidecar\r\nConnection: close\r\n\r\n",
+            url.path, url.host
+        );
+        stream.write_all(req.as_bytes()).await.ok()?;
+        let mut buf = [0u8; 16];
+        let mut n = 0;
+        while n < 12 {
+            let r = stream.read(&mut buf[n..]).await.ok()?;
+            if r == 0 {
+                break;
+            }
+            n += r;
+        }
+        let head = std::str::from_utf8(&buf[..n]).ok()?;
+        let code = head.strip_prefix("HTTP/1.")?.get(2..5)?;
+        Some(code.starts_with('2'))
+    };
+    matches!(tokio::time::timeout(timeout, fut).await, Ok(Some(true)))
+}
+
+async fn health_loop(
+    url: HttpUrl,
+    every: Duration,
+    failures_allowed: u32,
+    shared: Arc<Shared>,
+    failures_metric: Counter,
+) {
+    let mut failures = 0u32;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if check_health(&url, every).await {
+            if failures >= failures_allowed {
+                info!("the app answers again: campaigning");
+            }
+            failures = 0;
+            shared.app_healthy.store(true, Ordering::Relaxed);
+            shared.handle.set_eligible(true);
+        } else {
+            failures = failures.saturating_add(1);
+            failures_metric.inc();
+            if failures == failures_allowed {
+                warn!(
+                    failures,
+                    "the app does not answer its health check: giving up the lease"
+                );
+                shared.app_healthy.store(false, Ordering::Relaxed);
+                shared.handle.set_eligible(false);
+            }
+        }
+    }
+}
+
+pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
+    if !args.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "--listen {} is not a loopback address: the sidecar API hands out the token and must stay inside the pod (use 127.0.0.1)",
+            args.listen
+        );
+    }
+    if !args.app_health_interval_seconds.is_finite() || args.app_health_interval_seconds < 0.05 {
+        anyhow::bail!("--app-health-interval-seconds must be at least 0.05");
+    }
+    let health_url = args
+        .app_health_url
+        .as_deref()
+        .map(parse_http_url)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(crate::campaign::default_identity);
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let (elector, handle) = Elector::new(
+        client,
+        ElectorConfig {
+            namespace: args.namespace.clone(),
+            lease: args.lease.clone(),
+            identity: identity.clone(),
+            create_with_duration: Some(args.lease_duration),
+            timing_override: None,
+        },
+    )?;
+
+    let mut registry = Registry::default();
+    let leading = Gauge::<i64>::default();
+    let token_gauge = Gauge::<i64>::default();
+    let health_failures = Counter::default();
+    registry.register(
+        "fencedlease_sidecar_leading",
+        "1 while this pod leads",
+        leading.clone(),
+    );
+    registry.register(
+        "fencedlease_sidecar_token",
+        "The fencing token while leading, else 0",
+        token_gauge.clone(),
+    );
+    registry.register(
+        "fencedlease_sidecar_app_health_failures",
+        "Failed app health checks",
+        health_failures.clone(),
+    );
+    let shared = Arc::new(Shared {
+        lease: args.lease.clone(),
+        namespace: args.namespace.clone(),
+        identity,
+        handle: handle.clone(),
+        ready_only_when_leader: args.ready_only_when_leader,
+        app_healthy: AtomicBool::new(true),
+        registry: Arc::new(registry),
+    });
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let elector_task = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+    let files_task = tokio::spawn(token_files(
+        args.token_dir.clone(),
+        handle.state.clone(),
+        stop_rx.clone(),
+    ));
+    {
+        // Metrics follow the state.
+        let mut rx = handle.state.clone();
+        tokio::spawn(async move {
+            loop {
+                let st = rx.borrow_and_update().clone();
+                match st.leading_token(Instant::now()) {
+                    Some(t) => {
+                        leading.set(1);
+                        token_gauge.set(t.generation);
+                    }
+                    None => {
+                        leading.set(0);
+                        token_gauge.set(0);
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    if let Some(url) = health_url {
+        let every = Duration::from_secs_f64(args.app_health_interval_seconds);
+        tokio::spawn(health_loop(
+            url,
+            every,
+            args.app_health_failures,
+            shared.clone(),
+            health_failures,
+        ));
+    }
+
+    let app = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/token", get(token))
+        .route("/v1/watch", get(watch_sse))
+        .route("/v1/release", post(release))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(shared);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    info!(addr = %args.listen, lease = %args.lease, "sidecar API listening");
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stopped(stop_rx))
+            .await
+    });
+
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = sigterm.recv() => info!("SIGTERM: releasing the lease"),
+        _ = tokio::signal::ctrl_c() => info!("interrupted: releasing the lease"),
+    }
+    let _ = stop_tx.send(true);
+    match elector_task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "the elector ended with an error"),
+        Err(e) => warn!(error = %e, "the elector task failed"),
+    }
+    let _ = files_task.await;
+    let _ = server.await;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_urls_parse_strictly() {
+        assert_eq!(
+            parse_http_url("http://127.0.0.1:8080/healthz"),
+            Ok(HttpUrl {
+                host: "127.0.0.1".into(),
+                port: 8080,
+                path: "/healthz".into()
+            })
+        );
+        assert_eq!(
+            parse_http_url("http://localhost"),
+            Ok(HttpUrl {
+                host: "localhost".into(),
+                port: 80,
+                path: "/".into()
+            })
+        );
+        for bad in [
+            "https://x/",
+            "x:80",
+            "http://",
+            "http://:80/",
+            "http://h:99999/",
+            "http://h:x/",
+        ] {
+            assert!(parse_http_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[tokio::test]
+    async fn health_check_needs_a_2xx_in_time() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let mut n = 0;
+            while let Ok((mut s, _)) = listener.accept().await {
+                n += 1;
+                let mut buf = [0u8; 512];
+                let _ = s.read(&mut buf).await;
+                let reply: &[u8] = match n {
+                    1 => b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+                    2 => b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+                    _ => {
+                        tokio::time::sleep(Duration::from_secs(5)).await; // hangs
+                        b""
+                    }
+                };
+                let _ = s.write_all(reply).await;
+            }
+        });
+        let url = parse_http_url(&format!("http://127.0.0.1:{port}/h")).expect("url");
+        assert!(check_health(&url, Duration::from_secs(2)).await);
+        assert!(
+            !check_health(&url, Duration::from_secs(2)).await,
+            "503 is unhealthy"
+        );
+        assert!(
+            !check_health(&url, Duration::from_millis(200)).await,
+            "a hang is unhealthy"
+        );
+        let closed = parse_http_url("http://127.0.0.1:1/").expect("url");
+        assert!(!check_health(&closed, Duration::from_secs(1)).await);
+    }
+
+    #[test]
+    fn token_files_appear_and_vanish() {
+        let dir = std::env::temp_dir().join(format!("fl-token-{}", std::process::id()));
+        write_token_files(&dir, 7, "u-1").expect("write");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("token")).expect("token"),
+            "7\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join("lease-uid")).expect("uid"),
+            "u-1\n"
+        );
+        remove_token_files(&dir).expect("remove");
+        assert!(!dir.join("token").exists() && !dir.join("lease-uid").exists());
+        remove_token_files(&dir).expect("removing twice is fine");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,422 @@
+//! Sidecar: injection by the mutating webhook, and `fencedlease sidecar` processes as
+//! candidates, against the real API server.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::procs::{now_ns, scratch_dir, spawn_fencedlease, Proc};
+use common::webhook::{free_port, Webhook};
+use common::{client, ensure_crd, eventually, TestNamespace};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ListParams, PostParams};
+use kube::Api;
+use nix::sys::signal::Signal;
+use serde_json::{json, Value};
+
+fn pod(name: &str, annotations: Value) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {"containers": [{"name": "app", "image": "busybox", "command": ["sleep", "3600"]}]}
+    }))
+    .expect("pod literal")
+}
+
+fn sidecars(p: &Pod) -> usize {
+    let spec = p.spec.as_ref().expect("spec");
+    spec.containers
+        .iter()
+        .filter(|c| c.name == "fencedlease")
+        .count()
+        + spec.init_containers.as_ref().map_or(0, |ic| {
+            ic.iter().filter(|c| c.name == "fencedlease").count()
+        })
+}
+
+#[tokio::test]
+async fn pods_and_deployments_get_the_sidecar_exactly_once() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "inject").await;
+    let dir = scratch_dir("inject");
+    let wh = Webhook::start(&client, &dir, &ns.name).await;
+    wh.register_mutating(&client, &ns.name).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let created = eventually(
+        Duration::from_secs(20),
+        "the mutating webhook to be in effect",
+        || async {
+            let p = pods
+                .create(
+                    &PostParams::default(),
+                    &pod(
+                        &format!("web-{:06x}", common::rand_u32() & 0xffffff),
+                        json!({"fencedlease.io/lease": "web"}),
+                    ),
+                )
+                .await
+                .ok()?;
+            (sidecars(&p) == 1).then_some(p)
+        },
+    )
+    .await;
+    // The 1.20 server has no native sidecars: an ordinary container, hardened, with the app
+    // container wired to it.
+    let spec = created.spec.as_ref().expect("spec");
+    assert!(spec.init_containers.is_none());
+    let sc = spec
+        .containers
+        .iter()
+        .find(|c| c.name == "fencedlease")
+        .expect("sidecar");
+    let sec = sc.security_context.as_ref().expect("securityContext");
+    assert_eq!(sec.read_only_root_filesystem, Some(true));
+    assert_eq!(sec.run_as_non_root, Some(true));
+    assert_eq!(sec.allow_privilege_escalation, Some(false));
+    assert!(sc
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .is_some());
+    let app = spec
+        .containers
+        .iter()
+        .find(|c| c.name == "app")
+        .expect("app");
+    let env: Vec<&str> = app.env.iter().flatten().map(|e| e.name.as_str()).collect();
+    assert!(
+        env.contains(&"FENCEDLEASE_URL") && env.contains(&"FENCEDLEASE_TOKEN_FILE"),
+        "{env:?}"
+    );
+
+    // Untouched without the annotation, and with the opt-out.
+    let plain = pods
+        .create(&PostParams::default(), &pod("plain", json!({})))
+        .await
+        .expect("create");
+    assert_eq!(sidecars(&plain), 0);
+    assert_eq!(plain.spec.as_ref().map(|s| s.containers.len()), Some(1));
+    let out = pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "optout",
+                json!({"fencedlease.io/lease": "web", "fencedlease.io/inject": "false"}),
+            ),
+        )
+        .await
+        .expect("create");
+    assert_eq!(sidecars(&out), 0);
+    // Bad options are refused with a message naming the annotation.
+    match pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "bad",
+                json!({"fencedlease.io/lease": "web", "fencedlease.io/lease-duration": "15s"}),
+            ),
+        )
+        .await
+    {
+        Err(kube::Error::Api(s)) => assert!(
+            s.message.contains("fencedlease.io/lease-duration"),
+            "{}",
+            s.message
+        ),
+        other => panic!("a bad annotation must be refused, got {other:?}"),
+    }
+
+    // A Deployment's pods (created by kube-controller-manager) get it exactly once too.
+    let deploy: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}, "annotations": {"fencedlease.io/lease": "web"}},
+                "spec": {"containers": [{"name": "app", "image": "busybox", "command": ["sleep", "3600"]}]}
+            }
+        }
+    }))
+    .expect("deployment literal");
+    Api::<Deployment>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &deploy)
+        .await
+        .expect("create deployment");
+    let made = eventually(
+        Duration::from_secs(30),
+        "the Deployment's two pods",
+        || async {
+            let list = pods
+                .list(&ListParams::default().labels("app=web"))
+                .await
+                .ok()?;
+            (list.items.len() == 2).then_some(list.items)
+        },
+    )
+    .await;
+    for p in made {
+        assert_eq!(sidecars(&p), 1, "{:?}", p.metadata.name);
+    }
+}
+
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "3", "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+struct Sidecar {
+    proc: Proc,
+    port: u16,
+    token_dir: std::path::PathBuf,
+}
+
+fn sidecar(dir: &Path, ns: &str, lease: &str, identity: &str, extra: &[&str]) -> Sidecar {
+    let port = free_port();
+    let token_dir = dir.join(format!("{identity}-token"));
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "sidecar",
+        "--lease",
+        lease,
+        "--namespace",
+        ns,
+        "--identity",
+        identity,
+        "--listen",
+        &listen,
+        "--lease-duration",
+        "2",
+        "--token-dir",
+        token_dir.to_str().expect("utf-8"),
+    ];
+    args.extend_from_slice(extra);
+    let proc = spawn_fencedlease(identity, dir, &args);
+    Sidecar {
+        proc,
+        port,
+        token_dir,
+    }
+}
+
+impl Sidecar {
+    fn status(&self) -> Option<Value> {
+        let (code, body) = curl(&[&format!("http://127.0.0.1:{}/v1/status", self.port)]);
+        (code == 200)
+            .then(|| serde_json::from_str(&body).ok())
+            .flatten()
+    }
+}
+
+async fn the_leader(cars: &[&Sidecar]) -> (usize, Value) {
+    eventually(
+        Duration::from_secs(20),
+        "exactly one sidecar leading",
+        || async {
+            let st: Vec<Value> = cars
+                .iter()
+                .map(|c| c.status().unwrap_or(Value::Null))
+                .collect();
+            let leading: Vec<usize> = (0..st.len())
+                .filter(|i| st[*i]["leading"] == true)
+                .collect();
+            (leading.len() == 1).then(|| (leading[0], st[leading[0]].clone()))
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_over_on_sigterm() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "sidecar").await;
+    let dir = scratch_dir("sidecar");
+    let a = sidecar(&dir, &ns.name, "db", "pod-a", &["--ready-only-when-leader"]);
+    let b = sidecar(&dir, &ns.name, "db", "pod-b", &["--ready-only-when-leader"]);
+    let c = sidecar(&dir, &ns.name, "db", "pod-c", &["--ready-only-when-leader"]);
+    let cars = [&a, &b, &c];
+    let (i, st) = the_leader(&cars).await;
+    let token = st["token"].as_i64().expect("token");
+    let uid = st["leaseUID"].as_str().expect("uid").to_string();
+    let lease = Api::<fencedlease::api::FencedLease>::namespaced(client.clone(), &ns.name)
+        .get("db")
+        .await
+        .expect("lease");
+    assert_eq!(lease.token(), Some(token));
+    assert_eq!(lease.metadata.uid.as_deref(), Some(uid.as_str()));
+    assert_eq!(lease.holder(), st["identity"].as_str());
+    for (j, car) in cars.iter().enumerate() {
+        let (code, body) = curl(&[&format!("http://127.0.0.1:{}/v1/token", car.port)]);
+        let (ready, _) = curl(&[&format!("http://127.0.0.1:{}/readyz", car.port)]);
+        let file = std::fs::read_to_string(car.token_dir.join("token")).ok();
+        if j == i {
+            assert_eq!(code, 200, "{body}");
+            let v: Value = serde_json::from_str(&body).expect("json");
+            assert_eq!(v["token"].as_i64(), Some(token));
+            assert_eq!(ready, 200, "the leader is ready");
+            assert_eq!(file.as_deref(), Some(format!("{token}\n").as_str()));
+        } else {
+            assert_eq!(code, 409, "{body}");
+            assert_eq!(
+                ready, 503,
+                "a follower is not ready with leader-only readiness"
+            );
+            assert_eq!(file, None, "only the leader has a token file");
+            let s = car.status().expect("status");
+            assert_eq!(s["holder"], st["identity"], "followers know the holder");
+        }
+    }
+    // Follow one follower's SSE stream across a SIGTERM of the leader.
+    let follower = cars[(i + 1) % 3];
+    let sse_out = dir.join("sse.txt");
+    let mut sse = Command::new("curl")
+        .args([
+            "-sN",
+            "--max-time",
+            "8",
+            &format!("http://127.0.0.1:{}/v1/watch", follower.port),
+        ])
+        .stdout(std::fs::File::create(&sse_out).expect("sse file"))
+        .spawn()
+        .expect("curl sse");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = now_ns();
+    cars[i].proc.signal(Signal::SIGTERM);
+    let others: Vec<&Sidecar> = cars
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != i)
+        .map(|(_, c)| *c)
+        .collect();
+    let (_, next) = the_leader(&others).await;
+    let handover_ms = (now_ns() - t0) as f64 / 1e6;
+    eprintln!("sidecar SIGTERM handover observed within {handover_ms:.0} ms");
+    assert!(
+        handover_ms < 2000.0,
+        "handover took {handover_ms} ms with a 2 s lease: it must not wait for expiry"
+    );
+    assert!(next["token"].as_i64() > Some(token));
+    assert!(
+        !cars[i].token_dir.join("token").exists(),
+        "the old leader removed its token file"
+    );
+    let _ = sse.kill();
+    let _ = sse.wait();
+    let stream = std::fs::read_to_string(&sse_out).unwrap_or_default();
+    let events: Vec<Value> = stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str(d.trim()).ok())
+        .collect();
+    assert!(events.len() >= 2, "{stream}");
+    assert_eq!(events[0]["leading"], false);
+    assert!(
+        events.iter().any(|e| e["holder"] == next["identity"]),
+        "the stream saw the new holder: {stream}"
+    );
+}
+
+/// An app whose health endpoint answers 200 until told to hang.
+async fn app_server(hang: Arc<AtomicBool>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let hang = hang.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                if hang.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                } else {
+                    let _ = s
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await;
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_hung_app_loses_the_lease() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "health").await;
+    let dir = scratch_dir("health");
+    let hang_a = Arc::new(AtomicBool::new(false));
+    let port_a = app_server(hang_a.clone()).await;
+    let port_b = app_server(Arc::new(AtomicBool::new(false))).await;
+    let url_a = format!("http://127.0.0.1:{port_a}/healthz");
+    let url_b = format!("http://127.0.0.1:{port_b}/healthz");
+    let health = |u: &str| {
+        vec![
+            "--app-health-url".to_string(),
+            u.to_string(),
+            "--app-health-interval-seconds".into(),
+            "0.3".into(),
+        ]
+    };
+    let ha = health(&url_a);
+    let a = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-a",
+        &ha.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let (_, first) = the_leader(&[&a]).await;
+    let hb = health(&url_b);
+    let b = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-b",
+        &hb.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = now_ns();
+    hang_a.store(true, Ordering::Relaxed);
+    let next = eventually(
+        Duration::from_secs(10),
+        "pod-b to take over from the hung pod-a",
+        || async { b.status().filter(|s| s["leading"] == true) },
+    )
+    .await;
+    let took = (now_ns() - t0) as f64 / 1e6;
+    eprintln!("hung app detected and lease handed over in {took:.0} ms");
+    assert!(next["token"].as_i64() > first["token"].as_i64());
+    let sa = a.status().expect("pod-a still answers");
+    assert_eq!(sa["leading"], false);
+    assert_eq!(sa["appHealthy"], false);
+    // It stays out while the app hangs.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(a.status().expect("status")["leading"], false);
+}
+
+#[test]
+fn sidecar_refuses_a_non_loopback_listen_address() {
+    let out = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+        .args(["sidecar", "--lease", "x", "--listen", "0.0.0.0:8787"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a loopback address"), "{err}");
+}
