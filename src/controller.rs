@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -48,6 +49,16 @@ pub struct ControllerArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long)]
     pub namespace: Option<String>,
+    /// Self-managed webhook certificates: keep this TLS Secret (in the election namespace)
+    /// issued and renewed for the webhook Service. Only the active replica writes it.
+    #[arg(long, requires = "webhook_service")]
+    pub webhook_cert_secret: Option<String>,
+    /// The webhook's Service name (its DNS names go into the certificate).
+    #[arg(long, requires = "webhook_cert_secret")]
+    pub webhook_service: Option<String>,
+    /// Webhook configurations (validating or mutating) whose caBundle to keep in step.
+    #[arg(long, value_delimiter = ',')]
+    pub webhook_configurations: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -200,6 +211,12 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
         );
         prev.map(|p| (p.holder, obs))
     };
+    if previous
+        .as_ref()
+        .is_none_or(|(prev_holder, _)| *prev_holder != holder)
+    {
+        move_leader_label(ctx, &ns, &lease.name_any(), holder.as_deref()).await?;
+    }
     let revoked_here = {
         let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.get(&k)
@@ -291,6 +308,61 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
             Ok(Action::await_change())
         }
     }
+}
+
+/// Label on the pod that holds a lease (for Services that select the leader).
+pub const ROLE_LABEL: &str = "fencedlease.io/role";
+
+/// Moves the `fencedlease.io/role: leader` label to the holder's pod, if the holder is a pod of
+/// this lease (annotated `fencedlease.io/lease: <lease>`): the old holder's label comes off
+/// first, so that two pods never carry it at once.
+async fn move_leader_label(
+    ctx: &Context,
+    ns: &str,
+    lease: &str,
+    holder: Option<&str>,
+) -> Result<(), Error> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let of_lease = |p: &Pod| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(crate::webhook::inject::LEASE_ANNOTATION))
+            .is_some_and(|l| l == lease)
+    };
+    let labelled = pods
+        .list(&ListParams::default().labels(&format!("{ROLE_LABEL}=leader")))
+        .await?;
+    for p in labelled.items.iter().filter(|p| of_lease(p)) {
+        if Some(p.name_any().as_str()) == holder {
+            continue;
+        }
+        let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: null}}});
+        match pods
+            .patch(
+                &p.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {} // the pod is gone already
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let Some(h) = holder else { return Ok(()) };
+    match pods.get_opt(h).await? {
+        Some(p)
+            if of_lease(&p) && p.labels().get(ROLE_LABEL).map(String::as_str) != Some("leader") =>
+        {
+            let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: "leader"}}});
+            pods.patch(h, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Writes the controller-owned parts of the status when they differ: observedGeneration,
@@ -450,6 +522,29 @@ pub fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>)
     }
 }
 
+fn cert_config(args: &ControllerArgs) -> Option<crate::certs::CertConfig> {
+    Some(crate::certs::CertConfig {
+        namespace: args.election_namespace.clone(),
+        secret: args.webhook_cert_secret.clone()?,
+        service: args.webhook_service.clone()?,
+        configurations: args.webhook_configurations.clone(),
+    })
+}
+
+/// Keeps the webhook certificate and caBundles current while this replica is active.
+async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
+    loop {
+        let wait = match crate::certs::reconcile(&client, &cfg).await {
+            Ok(_) => Duration::from_secs(60),
+            Err(e) => {
+                warn!(error = %e, "keeping the webhook certificate failed; retrying");
+                Duration::from_secs(2)
+            }
+        };
+        tokio::time::sleep(wait).await;
+    }
+}
+
 /// Runs the controller: campaigns for the controller lease and reconciles while active.
 pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
@@ -526,6 +621,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
                 }
             });
         tokio::pin!(controller);
+        let certs_task =
+            cert_config(&args).map(|cfg| tokio::spawn(keep_certificates(client.clone(), cfg)));
         // Run until leadership is lost, by event or by deadline.
         let outcome = loop {
             let s = state.borrow().clone();
@@ -543,6 +640,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             }
         };
         ctx.metrics.leading.set(0);
+        if let Some(t) = certs_task {
+            t.abort();
+        }
         if outcome == "stopped" {
             break;
         }

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod campaign;
+pub mod certs;
 pub mod cli;
 pub mod controller;
 pub mod crdgen;

@@ -158,8 +158,21 @@ pub struct Generated {
     pub key: String,
 }
 
+/// How long a serving certificate is valid.
+pub const SERVING_CERT_DAYS: i64 = 365;
+
+/// The date a serving certificate issued now expires (UTC, whole days).
+pub fn serving_not_after() -> jiff::civil::Date {
+    let today = jiff::Timestamp::now()
+        .to_zoned(jiff::tz::TimeZone::UTC)
+        .date();
+    today
+        .checked_add(jiff::Span::new().days(SERVING_CERT_DAYS))
+        .unwrap_or(today)
+}
+
 /// Generates a fresh CA (unless one is given) and a serving certificate for `hosts` (DNS names
-/// or IP addresses), valid for a year.
+/// or IP addresses), valid until [`serving_not_after`].
 pub fn generate(hosts: &[String], ca: Option<(&str, &str)>) -> Result<Generated, TlsError> {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
@@ -187,7 +200,12 @@ pub fn generate(hosts: &[String], ca: Option<(&str, &str)>) -> Result<Generated,
             .map(String::as_str)
             .unwrap_or("fencedlease-webhook"),
     );
-    p.not_after = rcgen::date_time_ymd(2100, 1, 1);
+    let end = serving_not_after();
+    p.not_after = rcgen::date_time_ymd(
+        i32::from(end.year()),
+        end.month().unsigned_abs(),
+        end.day().unsigned_abs(),
+    );
     let k = KeyPair::generate()?;
     let c = p.signed_by(&k, &issuer)?;
     Ok(Generated {

@@ -135,21 +135,24 @@ pub fn campaign(dir: &Path, ns: &str, lease: &str, identity: &str, duration: u32
 
 /// The controller, scoped to one namespace, with its election lease there too.
 pub fn controller(dir: &Path, ns: &str, identity: &str) -> Proc {
-    spawn_fencedlease(
+    controller_with(dir, ns, identity, &[])
+}
+
+/// The controller with extra flags.
+pub fn controller_with(dir: &Path, ns: &str, identity: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "controller",
+        "--namespace",
+        ns,
+        "--election-namespace",
+        ns,
+        "--identity",
         identity,
-        dir,
-        &[
-            "controller",
-            "--namespace",
-            ns,
-            "--election-namespace",
-            ns,
-            "--identity",
-            identity,
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-    )
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    spawn_fencedlease(identity, dir, &args)
 }
 
 /// A leadership claim as the candidate itself judged it: from its "leading" event until its

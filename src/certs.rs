@@ -1,0 +1,222 @@
+//! Self-managed webhook certificates: the active controller replica (and only it, so replicas
+//! never race on `caBundle`) keeps a TLS Secret for the webhook Service and the `caBundle` of
+//! the operator's webhook configurations in step with it.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::ByteString;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use tracing::info;
+
+use crate::webhook::tls;
+
+const NOT_AFTER_ANNOTATION: &str = "fencedlease.io/not-after";
+const HOSTS_ANNOTATION: &str = "fencedlease.io/hosts";
+/// Renew the serving certificate when it has fewer days left than this.
+const RENEW_DAYS_BEFORE: i64 = 30;
+
+#[derive(Clone, Debug)]
+pub struct CertConfig {
+    pub namespace: String,
+    pub secret: String,
+    pub service: String,
+    pub configurations: Vec<String>,
+}
+
+impl CertConfig {
+    /// The DNS names the API server may use for the Service.
+    pub fn hosts(&self) -> Vec<String> {
+        let (s, ns) = (&self.service, &self.namespace);
+        vec![
+            format!("{s}.{ns}.svc"),
+            format!("{s}.{ns}.svc.cluster.local"),
+            format!("{s}.{ns}"),
+            s.clone(),
+        ]
+    }
+}
+
+fn text(data: &BTreeMap<String, ByteString>, key: &str) -> Option<String> {
+    data.get(key)
+        .and_then(|b| String::from_utf8(b.0.clone()).ok())
+}
+
+/// Does this Secret still serve: all keys present, the right hosts, not near expiry?
+pub fn secret_is_current(secret: &Secret, hosts: &[String], today: jiff::civil::Date) -> bool {
+    let Some(data) = secret.data.as_ref() else {
+        return false;
+    };
+    let has_all = ["tls.crt", "tls.key", "ca.crt", "ca.key"]
+        .iter()
+        .all(|k| data.contains_key(*k));
+    let ann = secret.metadata.annotations.clone().unwrap_or_default();
+    let hosts_ok = ann.get(HOSTS_ANNOTATION).map(String::as_str) == Some(hosts.join(",").as_str());
+    let fresh = ann
+        .get(NOT_AFTER_ANNOTATION)
+        .and_then(|d| d.parse::<jiff::civil::Date>().ok())
+        .and_then(|end| today.until(end).ok())
+        .is_some_and(|left| left.get_days() > RENEW_DAYS_BEFORE as i32);
+    has_all && hosts_ok && fresh
+}
+
+/// Makes sure the Secret is current (issuing or renewing with the same CA) and every webhook
+/// in the named configurations trusts its CA. Returns whether anything was written.
+pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &cfg.namespace);
+    let hosts = cfg.hosts();
+    let today = jiff::Timestamp::now()
+        .to_zoned(jiff::tz::TimeZone::UTC)
+        .date();
+    let existing = secrets.get_opt(&cfg.secret).await?;
+    let mut wrote = false;
+    let ca_pem = match &existing {
+        Some(s) if secret_is_current(s, &hosts, today) => s
+            .data
+            .as_ref()
+            .and_then(|d| text(d, "ca.crt"))
+            .unwrap_or_default(),
+        _ => {
+            // Keep the CA across renewals, so the caBundle does not change under the API server.
+            let old_ca = existing
+                .as_ref()
+                .and_then(|s| s.data.as_ref())
+                .and_then(|d| Some((text(d, "ca.crt")?, text(d, "ca.key")?)));
+            let g = tls::generate(
+                &hosts,
+                old_ca.as_ref().map(|(c, k)| (c.as_str(), k.as_str())),
+            )
+            .map_err(|e| kube::Error::Service(Box::new(e)))?;
+            let mut data = BTreeMap::new();
+            for (k, v) in [
+                ("tls.crt", &g.cert),
+                ("tls.key", &g.key),
+                ("ca.crt", &g.ca_cert),
+                ("ca.key", &g.ca_key),
+            ] {
+                data.insert(k.to_string(), ByteString(v.as_bytes().to_vec()));
+            }
+            let mut secret: Secret = serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": cfg.secret,
+                    "labels": {"app.kubernetes.io/managed-by": "fencedlease-controller"},
+                    "annotations": {
+                        NOT_AFTER_ANNOTATION: tls::serving_not_after().to_string(),
+                        HOSTS_ANNOTATION: hosts.join(","),
+                    },
+                },
+                "type": "kubernetes.io/tls",
+            }))
+            .map_err(kube::Error::SerdeError)?;
+            secret.data = Some(data);
+            match existing {
+                Some(old) => {
+                    secret.metadata.resource_version = old.metadata.resource_version;
+                    secrets
+                        .replace(&cfg.secret, &PostParams::default(), &secret)
+                        .await?;
+                }
+                None => {
+                    secrets.create(&PostParams::default(), &secret).await?;
+                }
+            }
+            info!(secret = %cfg.secret, "issued the webhook serving certificate");
+            wrote = true;
+            g.ca_cert
+        }
+    };
+    let bundle = ByteString(ca_pem.into_bytes());
+    for name in &cfg.configurations {
+        let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+        if let Some(mut c) = v.get_opt(name).await? {
+            let mut changed = false;
+            for w in c.webhooks.iter_mut().flatten() {
+                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
+                    w.client_config.ca_bundle = Some(bundle.clone());
+                    changed = true;
+                }
+            }
+            if changed {
+                v.replace(name, &PostParams::default(), &c).await?;
+                info!(configuration = %name, "updated the caBundle of the validating webhooks");
+                wrote = true;
+            }
+        }
+        let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+        if let Some(mut c) = m.get_opt(name).await? {
+            let mut changed = false;
+            for w in c.webhooks.iter_mut().flatten() {
+                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
+                    w.client_config.ca_bundle = Some(bundle.clone());
+                    changed = true;
+                }
+            }
+            if changed {
+                m.replace(name, &PostParams::default(), &c).await?;
+                info!(configuration = %name, "updated the caBundle of the mutating webhooks");
+                wrote = true;
+            }
+        }
+    }
+    Ok(wrote)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(keys: &[&str], hosts: &str, not_after: &str) -> Secret {
+        let mut data = BTreeMap::new();
+        for k in keys {
+            data.insert(k.to_string(), ByteString(b"x".to_vec()));
+        }
+        let mut s: Secret = serde_json::from_value(serde_json::json!({"metadata": {"name": "s",
+            "annotations": {HOSTS_ANNOTATION: hosts, NOT_AFTER_ANNOTATION: not_after}}}))
+        .expect("secret");
+        s.data = Some(data);
+        s
+    }
+
+    #[test]
+    fn a_secret_is_renewed_when_incomplete_for_other_hosts_or_near_expiry() {
+        let cfg = CertConfig {
+            namespace: "ops".into(),
+            secret: "s".into(),
+            service: "wh".into(),
+            configurations: vec![],
+        };
+        let hosts = cfg.hosts();
+        assert_eq!(hosts[0], "wh.ops.svc");
+        let h = hosts.join(",");
+        let today: jiff::civil::Date = "2026-11-30".parse().expect("date");
+        let all = ["tls.crt", "tls.key", "ca.crt", "ca.key"];
+        assert!(secret_is_current(
+            &secret(&all, &h, "2027-11-30"),
+            &hosts,
+            today
+        ));
+        assert!(
+            !secret_is_current(&secret(&all, &h, "2026-12-20"), &hosts, today),
+            "near expiry"
+        );
+        assert!(!secret_is_current(
+            &secret(&all, "other.ops.svc", "2027-11-30"),
+            &hosts,
+            today
+        ));
+        assert!(!secret_is_current(
+            &secret(&all[..3], &h, "2027-11-30"),
+            &hosts,
+            today
+        ));
+        assert!(!secret_is_current(
+            &secret(&all, &h, "garbage"),
+            &hosts,
+            today
+        ));
+    }
+}
