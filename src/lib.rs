@@ -14,5 +14,6 @@ pub mod crdgen;
 pub mod fencing;
 pub mod lease;
 pub mod metrics;
+pub mod proxy;
 pub mod sidecar;
 pub mod webhook;

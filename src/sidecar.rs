@@ -61,6 +61,10 @@ pub struct SidecarArgs {
     /// Consecutive failed health checks after which the lease is released.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub app_health_failures: u32,
+    /// Serve a Kubernetes API proxy on this loopback address: writes get the token added, and
+    /// are refused while this pod does not lead. Off unless set.
+    #[arg(long, env = "FENCEDLEASE_PROXY_LISTEN")]
+    pub proxy_listen: Option<SocketAddr>,
     /// Seconds between health checks (each may take at most this long).
     #[arg(long, default_value_t = 1.0)]
     pub app_health_interval_seconds: f64,
@@ -389,6 +393,9 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             args.listen
         );
     }
+    if let Some(p) = args.proxy_listen.filter(|p| !p.ip().is_loopback()) {
+        anyhow::bail!("--proxy-listen {p} is not a loopback address: the proxy acts with the pod's credentials and must stay inside the pod");
+    }
     if !args.app_health_interval_seconds.is_finite() || args.app_health_interval_seconds < 0.05 {
         anyhow::bail!("--app-health-interval-seconds must be at least 0.05");
     }
@@ -406,7 +413,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         .await
         .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
     let (elector, handle) = Elector::new(
-        client,
+        client.clone(),
         ElectorConfig {
             namespace: args.namespace.clone(),
             lease: args.lease.clone(),
@@ -446,6 +453,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_rx_proxy = stop_rx.clone();
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
@@ -507,6 +515,25 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             .await
     });
 
+    let proxy = match args.proxy_listen {
+        Some(addr) => {
+            let router = crate::proxy::router(
+                client,
+                handle.state.clone(),
+                args.lease.clone(),
+                args.namespace.clone(),
+            );
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the proxy on {addr}"))?;
+            info!(%addr, "Kubernetes API proxy listening");
+            let stop = stopped(stop_rx_proxy.clone());
+            Some(tokio::spawn(async move {
+                axum::serve(l, router).with_graceful_shutdown(stop).await
+            }))
+        }
+        None => None,
+    };
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {
@@ -521,6 +548,9 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     let _ = files_task.await;
     let _ = server.await;
+    if let Some(p) = proxy {
+        let _ = p.await;
+    }
     Ok(std::process::ExitCode::SUCCESS)
 }
 

@@ -420,3 +420,124 @@ fn sidecar_refuses_a_non_loopback_listen_address() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a loopback address"), "{err}");
 }
+
+/// An app that knows nothing of tokens writes a protected ConfigMap through the sidecar's API
+/// proxy: accepted while its pod leads, refused by the proxy itself once it does not.
+#[tokio::test]
+async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "proxy").await;
+    let dir = scratch_dir("proxy");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let proxy_port = free_port();
+    let proxy_addr = format!("127.0.0.1:{proxy_port}");
+    let a = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-a",
+        &["--proxy-listen", &proxy_addr],
+    );
+    let (_, st) = the_leader(&[&a]).await;
+    let b = sidecar(&dir, &ns.name, "db", "pod-b", &[]);
+    // The protected object, created with pod-a's token.
+    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
+            "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
+                            "fencedlease.io/lease-uid": st["leaseUID"]}},
+        "data": {"v": "0"}
+    }))
+    .expect("literal");
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .expect("create");
+    // The app: plain kubectl against the proxy, no credentials, no token.
+    let app = |value: &str| {
+        let out = Command::new("kubectl")
+            .args([
+                "--kubeconfig",
+                "/dev/null",
+                "-s",
+                &format!("http://{proxy_addr}"),
+                "-n",
+                &ns.name,
+            ])
+            .args([
+                "patch",
+                "configmap",
+                "inventory",
+                "--type",
+                "merge",
+                "-p",
+                &format!("{{\"data\":{{\"v\":\"{value}\"}}}}"),
+            ])
+            .output()
+            .expect("kubectl");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = app("1");
+    assert!(
+        ok,
+        "the leading pod's write through the proxy must land: {err}"
+    );
+    let stored = cms.get("inventory").await.expect("get");
+    assert_eq!(
+        stored
+            .data
+            .as_ref()
+            .and_then(|d| d.get("v"))
+            .map(String::as_str),
+        Some("1")
+    );
+    // pod-a steps down; pod-b leads; pod-a's proxy refuses the app's next write itself.
+    let (code, _) = curl(&[
+        "-X",
+        "POST",
+        &format!("http://127.0.0.1:{}/v1/release", a.port),
+    ]);
+    assert_eq!(code, 202);
+    eventually(Duration::from_secs(10), "pod-b to lead", || async {
+        b.status().filter(|s| s["leading"] == true)
+    })
+    .await;
+    let (ok, err) = app("2");
+    assert!(
+        !ok,
+        "a write through a non-leading pod's proxy must be refused"
+    );
+    assert!(err.contains("does not lead FencedLease"), "{err}");
+    let stored = cms.get("inventory").await.expect("get");
+    assert_eq!(
+        stored
+            .data
+            .as_ref()
+            .and_then(|d| d.get("v"))
+            .map(String::as_str),
+        Some("1")
+    );
+    // Reads still pass through.
+    let out = Command::new("kubectl")
+        .args([
+            "--kubeconfig",
+            "/dev/null",
+            "-s",
+            &format!("http://{proxy_addr}"),
+            "-n",
+            &ns.name,
+            "get",
+            "configmap",
+            "inventory",
+        ])
+        .output()
+        .expect("kubectl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

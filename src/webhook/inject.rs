@@ -12,6 +12,8 @@ pub const DURATION_ANNOTATION: &str = "fencedlease.io/lease-duration";
 pub const PORT_ANNOTATION: &str = "fencedlease.io/port";
 pub const READY_ANNOTATION: &str = "fencedlease.io/ready-only-when-leader";
 pub const HEALTH_ANNOTATION: &str = "fencedlease.io/app-health-url";
+/// `"true"` also runs the Kubernetes API proxy, on the sidecar port plus one.
+pub const PROXY_ANNOTATION: &str = "fencedlease.io/proxy";
 /// Name of the injected container and of the token volume.
 pub const CONTAINER: &str = "fencedlease";
 pub const VOLUME: &str = "fencedlease-token";
@@ -102,6 +104,20 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
             ))
         }
     };
+    let proxy =
+        match annotation(pod, PROXY_ANNOTATION) {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(v) => return Err(format!(
+                "fencedlease: annotation {PROXY_ANNOTATION}={v:?} must be \"true\" or \"false\""
+            )),
+        };
+    let proxy_port = port.checked_add(1).ok_or_else(|| {
+        format!(
+            "fencedlease: annotation {PORT_ANNOTATION}: no room for the proxy port above {port}"
+        )
+    });
+    let proxy_port = if proxy { Some(proxy_port?) } else { None };
     let health = annotation(pod, HEALTH_ANNOTATION);
     if let Some(url) = health {
         crate::sidecar::parse_http_url(url)
@@ -125,6 +141,9 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     }
     if let Some(h) = health {
         args.extend(["--app-health-url".into(), h.to_string()]);
+    }
+    if let Some(pp) = proxy_port {
+        args.extend(["--proxy-listen".into(), format!("127.0.0.1:{pp}")]);
     }
     // Kubelet probes the pod IP; the sidecar listens on loopback only, so probe from inside.
     let probe = |path: &str| {
@@ -167,6 +186,9 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
             if let Value::Array(env) = env {
                 env.push(json!({"name": "FENCEDLEASE_URL", "value": url}));
                 env.push(json!({"name": "FENCEDLEASE_TOKEN_FILE", "value": format!("{TOKEN_DIR}/token")}));
+                if let Some(pp) = proxy_port {
+                    env.push(json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("http://127.0.0.1:{pp}")}));
+                }
             }
             let mounts = c.entry("volumeMounts").or_insert_with(|| json!([]));
             if let Value::Array(mounts) = mounts {
@@ -398,6 +420,7 @@ mod tests {
             (READY_ANNOTATION, "yes"),
             (HEALTH_ANNOTATION, "https://x"),
             (LEASE_ANNOTATION, "Bad_Name"),
+            (PROXY_ANNOTATION, "1"),
         ] {
             let mut a = serde_json::Map::new();
             a.insert(LEASE_ANNOTATION.into(), json!("db"));

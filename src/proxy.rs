@@ -1,0 +1,274 @@
+//! The sidecar's opt-in Kubernetes API proxy. An app points its Kubernetes client at it
+//! (plain HTTP on the pod's loopback) and needs to know nothing about tokens: the proxy adds
+//! the current token and lease UID to the body of every create, update and merge patch, and
+//! refuses writes itself while the pod is not leading. Reads and watches pass through. The
+//! fencing webhook still has the last word, so a write that races a loss of leadership is
+//! refused by the API server.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::fencing::{LEASE_UID_ANNOTATION, TOKEN_ANNOTATION};
+use crate::lease::elector::LeaderState;
+use crate::lease::rules::FencingToken;
+
+/// The largest request body the proxy reads to add the token.
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+struct Proxy {
+    client: kube::Client,
+    state: watch::Receiver<LeaderState>,
+    lease: String,
+    namespace: String,
+}
+
+/// What to do with a request body before forwarding it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Rewrite {
+    /// Forward unchanged (a read, or a body we do not rewrite).
+    Pass,
+    /// Add the token to this JSON body.
+    Stamp,
+    /// Refuse: JSON patches and apply patches cannot be stamped reliably.
+    Unsupported(&'static str),
+}
+
+/// Decides by method and content type.
+pub fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
+    let ct = content_type
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim();
+    match *method {
+        Method::POST | Method::PUT => match ct {
+            "application/json" | "" => Rewrite::Stamp,
+            _ => Rewrite::Unsupported("send creates and updates as application/json"),
+        },
+        Method::PATCH => match ct {
+            "application/merge-patch+json" | "application/strategic-merge-patch+json" => Rewrite::Stamp,
+            _ => Rewrite::Unsupported("use a merge patch (application/merge-patch+json) or a strategic merge patch through the proxy"),
+        },
+        _ => Rewrite::Pass,
+    }
+}
+
+/// Adds the token annotations to a JSON object body (a full object or a merge patch).
+pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
+    let mut v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
+    let meta = obj.entry("metadata").or_insert_with(|| json!({}));
+    let meta = meta.as_object_mut().ok_or("metadata is not an object")?;
+    let ann = meta.entry("annotations").or_insert_with(|| json!({}));
+    if ann.is_null() {
+        *ann = json!({});
+    }
+    let ann = ann
+        .as_object_mut()
+        .ok_or("metadata.annotations is not an object")?;
+    ann.insert(TOKEN_ANNOTATION.into(), json!(token.generation.to_string()));
+    ann.insert(LEASE_UID_ANNOTATION.into(), json!(token.lease_uid));
+    serde_json::to_vec(&v).map_err(|e| e.to_string())
+}
+
+fn status(code: StatusCode, reason: &str, message: String) -> Response {
+    let body = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {},
+        "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+    });
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let ct = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let write = !matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
+    let token = p.state.borrow().leading_token(Instant::now()).cloned();
+    if write && token.is_none() {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            format!(
+                "fencedlease sidecar: this pod does not lead FencedLease {}/{}; writes through the proxy are refused",
+                p.namespace, p.lease
+            ),
+        );
+    }
+    let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestEntityTooLarge",
+                format!(
+                    "fencedlease sidecar: request bodies are limited to {MAX_BODY_BYTES} bytes"
+                ),
+            )
+        }
+    };
+    let body = match (rewrite_for(&parts.method, ct.as_deref()), &token) {
+        (Rewrite::Pass, _) => bytes.to_vec(),
+        (Rewrite::Unsupported(why), _) => {
+            return status(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "UnsupportedMediaType",
+                format!("fencedlease sidecar: {why}"),
+            )
+        }
+        (Rewrite::Stamp, Some(t)) => match stamp(&bytes, t) {
+            Ok(b) => b,
+            Err(e) => {
+                return status(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequest",
+                    format!("fencedlease sidecar: {e}"),
+                )
+            }
+        },
+        (Rewrite::Stamp, None) => bytes.to_vec(),
+    };
+    let uri = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let mut builder = axum::http::Request::builder()
+        .method(parts.method.clone())
+        .uri(uri);
+    for (k, v) in parts.headers.iter() {
+        // The client's own credentials and hop-by-hop headers stay here; the sidecar's
+        // identity (the pod's ServiceAccount) is used upstream.
+        if matches!(
+            k.as_str(),
+            "authorization" | "host" | "content-length" | "connection" | "transfer-encoding"
+        ) {
+            continue;
+        }
+        builder = builder.header(k, v);
+    }
+    let upstream = match builder.body(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                format!("fencedlease sidecar: {e}"),
+            )
+        }
+    };
+    match p.client.send(upstream.map(kube::client::Body::from)).await {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            Response::from_parts(parts, Body::new(body))
+        }
+        Err(e) => status(
+            StatusCode::BAD_GATEWAY,
+            "ServiceUnavailable",
+            format!("fencedlease sidecar: the API server could not be reached: {e}"),
+        ),
+    }
+}
+
+/// The proxy's router.
+pub fn router(
+    client: kube::Client,
+    state: watch::Receiver<LeaderState>,
+    lease: String,
+    namespace: String,
+) -> Router {
+    Router::new().fallback(forward).with_state(Arc::new(Proxy {
+        client,
+        state,
+        lease,
+        namespace,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn which_bodies_get_the_token() {
+        assert_eq!(rewrite_for(&Method::GET, None), Rewrite::Pass);
+        assert_eq!(rewrite_for(&Method::DELETE, None), Rewrite::Pass);
+        assert_eq!(
+            rewrite_for(&Method::POST, Some("application/json")),
+            Rewrite::Stamp
+        );
+        assert_eq!(
+            rewrite_for(&Method::PUT, Some("application/json; charset=utf-8")),
+            Rewrite::Stamp
+        );
+        assert_eq!(
+            rewrite_for(&Method::PATCH, Some("application/merge-patch+json")),
+            Rewrite::Stamp
+        );
+        assert_eq!(
+            rewrite_for(
+                &Method::PATCH,
+                Some("application/strategic-merge-patch+json")
+            ),
+            Rewrite::Stamp
+        );
+        assert!(matches!(
+            rewrite_for(&Method::PATCH, Some("application/json-patch+json")),
+            Rewrite::Unsupported(_)
+        ));
+        assert!(matches!(
+            rewrite_for(&Method::PATCH, Some("application/apply-patch+yaml")),
+            Rewrite::Unsupported(_)
+        ));
+        assert!(matches!(
+            rewrite_for(&Method::POST, Some("application/vnd.kubernetes.protobuf")),
+            Rewrite::Unsupported(_)
+        ));
+    }
+
+    #[test]
+    fn stamping_adds_both_annotations_and_overrides_what_the_app_sent() {
+        let t = FencingToken {
+            lease_uid: "u1".into(),
+            generation: 9,
+        };
+        for body in [
+            r#"{"data":{"a":"1"}}"#,
+            r#"{"metadata":{"annotations":null}}"#,
+            r#"{"metadata":{"annotations":{"fencedlease.io/token":"1","x":"y"}}}"#,
+        ] {
+            let out: Value =
+                serde_json::from_slice(&stamp(body.as_bytes(), &t).expect("stamp")).expect("json");
+            assert_eq!(out["metadata"]["annotations"][TOKEN_ANNOTATION], "9");
+            assert_eq!(out["metadata"]["annotations"][LEASE_UID_ANNOTATION], "u1");
+        }
+        for bad in [
+            "",
+            "[]",
+            "3",
+            r#"{"metadata":3}"#,
+            r#"{"metadata":{"annotations":[]}}"#,
+        ] {
+            assert!(stamp(bad.as_bytes(), &t).is_err(), "{bad}");
+        }
+    }
+}
