@@ -8,8 +8,9 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::ByteString;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use tracing::info;
 
@@ -113,6 +114,21 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
             }))
             .map_err(kube::Error::SerdeError)?;
             secret.data = Some(data);
+            // Owned by the webhook Service, so that uninstalling the operator removes it.
+            let services: Api<Service> = Api::namespaced(client.clone(), &cfg.namespace);
+            if let Some(svc) = services.get_opt(&cfg.service).await? {
+                if let Some(uid) = svc.metadata.uid {
+                    secret.metadata.owner_references = Some(vec![
+                        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                            api_version: "v1".into(),
+                            kind: "Service".into(),
+                            name: cfg.service.clone(),
+                            uid,
+                            ..Default::default()
+                        },
+                    ]);
+                }
+            }
             match existing {
                 Some(old) => {
                     secret.metadata.resource_version = old.metadata.resource_version;
@@ -132,37 +148,58 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
     let bundle = ByteString(ca_pem.into_bytes());
     for name in &cfg.configurations {
         let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-        if let Some(mut c) = v.get_opt(name).await? {
-            let mut changed = false;
-            for w in c.webhooks.iter_mut().flatten() {
-                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                    w.client_config.ca_bundle = Some(bundle.clone());
-                    changed = true;
-                }
-            }
-            if changed {
-                v.replace(name, &PostParams::default(), &c).await?;
+        if let Some(c) = v.get_opt(name).await? {
+            let stale: Vec<String> = c
+                .webhooks
+                .iter()
+                .flatten()
+                .filter(|w| w.client_config.ca_bundle.as_ref() != Some(&bundle))
+                .map(|w| w.name.clone())
+                .collect();
+            if !stale.is_empty() {
+                v.patch(name, &patch_params(), &ca_bundle_patch(&stale, &bundle))
+                    .await?;
                 info!(configuration = %name, "updated the caBundle of the validating webhooks");
                 wrote = true;
             }
         }
         let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-        if let Some(mut c) = m.get_opt(name).await? {
-            let mut changed = false;
-            for w in c.webhooks.iter_mut().flatten() {
-                if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                    w.client_config.ca_bundle = Some(bundle.clone());
-                    changed = true;
-                }
-            }
-            if changed {
-                m.replace(name, &PostParams::default(), &c).await?;
+        if let Some(c) = m.get_opt(name).await? {
+            let stale: Vec<String> = c
+                .webhooks
+                .iter()
+                .flatten()
+                .filter(|w| w.client_config.ca_bundle.as_ref() != Some(&bundle))
+                .map(|w| w.name.clone())
+                .collect();
+            if !stale.is_empty() {
+                m.patch(name, &patch_params(), &ca_bundle_patch(&stale, &bundle))
+                    .await?;
                 info!(configuration = %name, "updated the caBundle of the mutating webhooks");
                 wrote = true;
             }
         }
     }
     Ok(wrote)
+}
+
+/// A field manager of our own, so that Helm's server-side apply (which never sets caBundle)
+/// and the controller own different fields.
+fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some("fencedlease-controller".into()),
+        ..PatchParams::default()
+    }
+}
+
+/// A strategic merge patch that sets only `caBundle`, webhook by webhook (the list merges on
+/// `name`), so the operator needs `patch` and never `update` on the configurations.
+fn ca_bundle_patch(webhooks: &[String], bundle: &ByteString) -> Patch<serde_json::Value> {
+    let items: Vec<serde_json::Value> = webhooks
+        .iter()
+        .map(|n| serde_json::json!({"name": n, "clientConfig": {"caBundle": bundle}}))
+        .collect();
+    Patch::Strategic(serde_json::json!({ "webhooks": items }))
 }
 
 #[cfg(test)]
