@@ -395,3 +395,35 @@ fn campaign_refuses_bad_flags_with_a_clear_error() {
     assert_ne!(code, Some(0));
     assert!(err.contains("grace"), "{err}");
 }
+
+/// A candidate that finds the lease still naming itself (it lost its in-memory state, or its
+/// validity ran out while the API server was away) must take it over with a *new* token: a
+/// write that leaves the spec unchanged moves neither the generation nor anyone's clock.
+#[tokio::test]
+async fn retaking_a_lease_that_still_names_you_gives_a_new_token() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "retake").await;
+    let dir = scratch_dir("retake");
+    let api: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    let mut spec = fencedlease::api::FencedLeaseSpec::free();
+    spec.holder_identity = Some("a".into());
+    spec.lease_duration_seconds = 1;
+    let stale = api
+        .create(
+            &kube::api::PostParams::default(),
+            &FencedLease::new("db", spec),
+        )
+        .await
+        .expect("create a lease held by a previous life of 'a'");
+    let old = stale.token().expect("generation");
+    let a = campaign(&dir, &ns.name, "db", "a", 1);
+    let (_, led) = leader(&[&a], Duration::from_secs(15)).await;
+    assert!(
+        led.token > Some(old),
+        "'a' must lead with a token above {old}, got {led:?}"
+    );
+    let lease = api.get("db").await.expect("get");
+    assert_eq!(lease.holder(), Some("a"));
+    assert_eq!(lease.token(), led.token);
+}

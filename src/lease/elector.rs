@@ -428,6 +428,15 @@ impl Elector {
     }
 
     async fn acquire(&mut self, lease: FencedLease, timing: Timing) {
+        if lease.holder() == Some(self.me()) {
+            // The lease still names us from an earlier tenure (lost state, or validity that ran
+            // out while the API server was away). Writing our name again would change nothing:
+            // no new generation, no event for the others. Clear it first (a new token, seen by
+            // everyone); the next step acquires the free lease like any candidate.
+            self.clear_stale_self(lease, timing).await;
+            return;
+        }
+        let before = lease.token().unwrap_or_default();
         let mut desired = lease.clone();
         desired.spec.holder_identity = Some(self.cfg.identity.clone());
         // The preferred holder had its chance (or is us): clear it so nobody steps down again.
@@ -447,6 +456,16 @@ impl Elector {
                     self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
                     return;
                 };
+                if token <= before {
+                    // Not an acquisition: the token must move on every change of holder.
+                    warn!(
+                        token,
+                        before, "the acquiring write did not raise the generation; not leading"
+                    );
+                    self.saw(Some(acquired));
+                    self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                    return;
+                }
                 let tenure = Tenure {
                     token,
                     last_sent: self.mono(sent),
@@ -473,6 +492,36 @@ impl Elector {
                 warn!("acquiring timed out; retrying");
                 self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
             }
+        }
+    }
+
+    /// Clears a holder field that names us although we hold no tenure.
+    async fn clear_stale_self(&mut self, lease: FencedLease, timing: Timing) {
+        let mut desired = lease;
+        desired.spec.holder_identity = None;
+        match timeout(
+            timing.lease_duration,
+            self.api
+                .replace(&self.cfg.lease, &PostParams::default(), &desired),
+        )
+        .await
+        {
+            Ok(Ok(cleared)) => {
+                info!(
+                    token = cleared.token(),
+                    "cleared a stale claim of ours before acquiring"
+                );
+                self.saw(Some(cleared));
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                self.refresh(timing.lease_duration).await
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.saw(None),
+            Ok(Err(e)) => {
+                warn!(error = %e, "clearing a stale claim failed; retrying");
+                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+            }
+            Err(_) => self.retry_at = Some(Instant::now() + RETRY_BACKOFF),
         }
     }
 
