@@ -7,6 +7,8 @@
 #   hack/cluster.sh down      stop every process and free the ports (logs are kept)
 #   hack/cluster.sh status    say whether it answers
 #   hack/cluster.sh env       print `export KUBECONFIG=...` for eval
+#   hack/cluster.sh restart COMPONENT [hard]   restart etcd, kube-apiserver or
+#                             kube-controller-manager with its data (a crash and recovery)
 #
 # Everything lives in $FENCEDLEASE_CLUSTER_DIR (default /tmp/fencedlease-cluster):
 #   kubeconfig, pki/, logs/{etcd,kube-apiserver,kube-controller-manager}.log, pids/.
@@ -83,8 +85,24 @@ port_free() { ! ss -ltnH "sport = :$1" 2>/dev/null | grep -q .; }
 
 start() { # NAME CMD... : run in its own session, output to logs/NAME.log
   local name="$1"; shift
-  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  mkdir -p "$DIR/cmd"
+  printf '%q ' "$@" >"$DIR/cmd/$name"   # for `restart NAME`
+  setsid "$@" >>"$DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$DIR/pids/$name"
+}
+
+# restart NAME [hard]: stop one component (SIGTERM, or SIGKILL with "hard") and start it again
+# with the same command line and data, as a crash and recovery would.
+restart() {
+  local name="$1" how="${2:-}"
+  [ -f "$DIR/cmd/$name" ] || die "no recorded command for $name: is the cluster up?"
+  if [ -f "$DIR/pids/$name" ]; then
+    local pid; pid=$(cat "$DIR/pids/$name")
+    if [ "$how" = hard ]; then kill -KILL "$pid" 2>/dev/null || true; else stop_pid "$name" "$pid"; fi
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  fi
+  log "restarting $name"
+  eval "start $name $(cat "$DIR/cmd/$name")"
 }
 
 pki() {
@@ -140,7 +158,8 @@ up() {
   for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT"; do
     port_free "$port" || die "port $port on 127.0.0.1 is taken by another program (see: ss -ltnp 'sport = :$port'); stop it or set FL_*_PORT"
   done
-  rm -rf "$DIR/etcd" "$DIR/pki" "$DIR/pids"
+  rm -rf "$DIR/etcd" "$DIR/pki" "$DIR/pids" "$DIR/cmd"
+  rm -f "$DIR"/logs/*.log
   mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd"
   chmod 700 "$DIR/etcd"
   pki
@@ -189,5 +208,10 @@ case "${1:-}" in
   status)
     if healthy; then echo "running: export KUBECONFIG=$KUBECONFIG_PATH"; else echo "not running (start: hack/cluster.sh up)"; exit 1; fi ;;
   env) echo "export KUBECONFIG=$KUBECONFIG_PATH" ;;
-  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+  restart)
+    case "${2:-}" in
+      etcd|kube-apiserver|kube-controller-manager) restart "$2" "${3:-}" ;;
+      *) echo "usage: $0 restart etcd|kube-apiserver|kube-controller-manager [hard]" >&2; exit 2 ;;
+    esac ;;
+  *) echo "usage: $0 up|down|status|env|restart COMPONENT [hard]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The history test (fault injection): fenced read-modify-write workers, a nemesis (pauses,
+# kills, webhook/controller/API server/etcd restarts, clock skew, hung connections), and a
+# checker of the fencing rules. Runs on a local Kubernetes of its own, since it restarts it.
+#
+#   hack/history.sh                 a bounded run (90 s of faults; part of hack/test.sh)
+#   hack/history.sh --duration 3600 --seed 7    a long run
+# Results: $FL_HISTORY_OUT (default /tmp/fencedlease-history/<seed>)/summary.json
+set -euo pipefail
+# shellcheck source=hack/lib.sh
+source "$(dirname "$0")/lib.sh"
+cd "$FL_REPO"
+duration=90 seed=$RANDOM
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --duration) duration=$2; shift 2 ;;
+    --seed) seed=$2; shift 2 ;;
+    *) die "usage: $0 [--duration SECONDS] [--seed N]" ;;
+  esac
+done
+apt_install faketime curl openssl iproute2
+export FENCEDLEASE_CLUSTER_DIR=/tmp/fencedlease-history-cluster
+export FL_ETCD_PORT=52379 FL_ETCD_PEER_PORT=52380 FL_APISERVER_PORT=56443 FL_KCM_PORT=56257
+out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed}"
+rm -rf "$out" && mkdir -p "$out"
+trap 'hack/cluster.sh down' EXIT
+hack/cluster.sh down
+hack/cluster.sh up
+log "building fencedlease"
+cargo build --quiet
+log "history run: ${duration} s of faults, seed $seed, output in $out"
+python3 hack/history/run.py --bin "$FL_REPO/target/debug/fencedlease" \
+  --kubeconfig "$FENCEDLEASE_CLUSTER_DIR/kubeconfig" --duration "$duration" --seed "$seed" --out "$out"
