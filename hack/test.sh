@@ -34,4 +34,11 @@ if ! cargo test --all-targets -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
+# The history test runs on a local Kubernetes of its own (its nemesis restarts the API server
+# and etcd), after the shared cluster's tests.
+seed="${FL_HISTORY_SEED:-$RANDOM}"
+log "history test (fault injection), seed $seed: hack/history.sh --duration 60 --seed $seed"
+if ! hack/history.sh --duration "${FL_HISTORY_DURATION:-60}" --seed "$seed"; then
+  die "the history test failed (seed $seed; output in /tmp/fencedlease-history/$seed); rerun it with: hack/history.sh --seed $seed"
+fi
 log "all tests passed"

@@ -108,7 +108,8 @@ pub struct FencedLeaseStatus {
     pub observed_generation: Option<i64>,
 
     /// The lease's state in the Kubernetes style. Types: `Held` (someone holds a valid lease),
-    /// `Expired` (the holder stopped renewing), `Released` (the lease is free).
+    /// `Expired` (the holder stopped renewing), `Released` (the lease is free),
+    /// `HandoverPending` (a preferredHolder was asked for and has not taken over yet).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

@@ -426,6 +426,50 @@ async fn write_status(
 }
 
 fn desired_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
+    let mut conds = holding_conditions(lease, revoked);
+    conds.push(handover_condition(lease));
+    conds
+}
+
+/// Explains a requested handover, including one to a preferred holder that never comes.
+fn handover_condition(lease: &FencedLease) -> Condition {
+    let g = lease.metadata.generation;
+    let d = lease.spec.lease_duration_seconds;
+    match (
+        lease
+            .spec
+            .preferred_holder
+            .as_deref()
+            .filter(|p| !p.is_empty()),
+        lease.holder(),
+    ) {
+        (Some(p), Some(h)) if p != h => condition(
+            "HandoverPending",
+            true,
+            "StepDownRequested",
+            format!("{h} steps down for {p}"),
+            g,
+        ),
+        (Some(p), None) => condition(
+            "HandoverPending",
+            true,
+            "WaitingForPreferredHolder",
+            format!(
+                "{p} has the first chance; if it does not acquire within {d}s, any candidate may"
+            ),
+            g,
+        ),
+        _ => condition(
+            "HandoverPending",
+            false,
+            "None",
+            "no handover requested".into(),
+            g,
+        ),
+    }
+}
+
+fn holding_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
     let g = lease.metadata.generation;
     let token = lease.token().unwrap_or_default();
     match lease.holder() {

@@ -541,3 +541,29 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test]
+async fn the_sidecar_api_answers_bad_requests_with_4xx() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "sidecar-bad").await;
+    let dir = scratch_dir("sidecar-bad");
+    let a = sidecar(&dir, &ns.name, "db", "pod-a", &[]);
+    the_leader(&[&a]).await;
+    let base = format!("http://127.0.0.1:{}", a.port);
+    for (args, want) in [
+        (vec!["-X", "POST", "/v1/token"], 405),
+        (vec!["-X", "DELETE", "/v1/status"], 405),
+        (vec!["-X", "GET", "/v1/release"], 405),
+        (vec!["-X", "GET", "/v2/token"], 404),
+        (vec!["-X", "GET", "/%ff%fe"], 404),
+    ] {
+        let url = format!("{base}{}", args[2]);
+        let (code, _) = curl(&[args[0], args[1], &url]);
+        assert_eq!(code, want, "{args:?}");
+    }
+    assert!(
+        a.status().is_some_and(|s| s["leading"] == true),
+        "still serving and leading"
+    );
+}

@@ -543,3 +543,83 @@ async fn certificate_rotation_while_writes_flow_fails_no_admission() {
     let log = std::fs::read_to_string(&wh.proc.log).unwrap_or_default();
     assert!(log.contains("reloaded the serving certificate"), "{log}");
 }
+
+/// Bad input straight at the HTTPS server: every answer is an HTTP 200 AdmissionReview that
+/// denies, or a 4xx, and the server keeps serving.
+#[tokio::test]
+async fn bad_input_gets_a_denial_or_a_4xx_and_never_a_crash() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "badinput").await;
+    let dir = scratch_dir("badinput");
+    let mut wh = Webhook::start(&client, &dir, &ns.name).await;
+    let url = format!("https://127.0.0.1:{}/validate", wh.port);
+    let ca = wh.mount.join("staging/ca.crt");
+    let post = |body: &std::path::Path, ctype: &str| {
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "10",
+                "--cacert",
+                ca.to_str().expect("utf-8"),
+                "-H",
+                ctype,
+            ])
+            .args([
+                "--data-binary",
+                &format!("@{}", body.display()),
+                "-w",
+                "\n%{http_code}",
+                &url,
+            ])
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse::<u16>().unwrap_or(0), body.to_string())
+    };
+    let huge = vec![b'{'; 9 * 1024 * 1024];
+    let unicode_review = serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "ü-1", "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+            "namespace": ns.name, "operation": "CREATE", "userInfo": {},
+            "object": {"metadata": {"name": "x", "labels": {LEASE: "ünïcode"},
+                "annotations": {TOKEN: "٣", UID: "\u{0}"}}}}
+    })
+    .to_string();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"\xff\xfe not json".to_vec()),
+        ("empty", Vec::new()),
+        ("wrong kind", br#"{"apiVersion":"v1","kind":"Pod"}"#.to_vec()),
+        ("no request", br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#.to_vec()),
+        ("v1beta1 shape", br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"1"}}"#.to_vec()),
+        ("unicode and odd annotations", unicode_review.into_bytes()),
+        ("huge", huge),
+    ];
+    for (name, body) in cases {
+        let f = dir.join("body");
+        std::fs::write(&f, &body).expect("write body");
+        let (code, answer) = post(&f, "Content-Type: application/json");
+        assert!(
+            code == 200 || (400..500).contains(&code),
+            "{name}: HTTP {code}"
+        );
+        if code == 200 {
+            let v: serde_json::Value = serde_json::from_str(&answer)
+                .unwrap_or_else(|e| panic!("{name}: not JSON ({e}): {answer}"));
+            assert_eq!(v["response"]["allowed"], false, "{name}: {answer}");
+        }
+    }
+    // Still alive and still deciding correctly.
+    assert_eq!(
+        wh.proc.child.try_wait().expect("try_wait"),
+        None,
+        "the webhook exited"
+    );
+    let (ok, _, _) = kubectl(&["get", "--raw", "/readyz"]);
+    assert!(ok);
+    let m = wh.metrics();
+    assert!(m.contains("result=\"invalid\""), "{m}");
+}

@@ -104,14 +104,15 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
             ))
         }
     };
-    let proxy =
-        match annotation(pod, PROXY_ANNOTATION) {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(v) => return Err(format!(
+    let proxy = match annotation(pod, PROXY_ANNOTATION) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(v) => {
+            return Err(format!(
                 "fencedlease: annotation {PROXY_ANNOTATION}={v:?} must be \"true\" or \"false\""
-            )),
-        };
+            ))
+        }
+    };
     let proxy_port = port.checked_add(1).ok_or_else(|| {
         format!(
             "fencedlease: annotation {PORT_ANNOTATION}: no room for the proxy port above {port}"
