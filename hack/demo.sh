@@ -15,7 +15,7 @@ source "$(dirname "$0")/lib.sh"
 cd "$FL_REPO"
 
 command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs), then rerun"
-apt_install curl openssl iproute2 procps bc
+apt_install curl openssl iproute2 procps bc postgresql
 started_cluster=0
 if ! hack/cluster.sh status >/dev/null 2>&1; then
   [ "${FL_KEEP_CLUSTER:-0}" = 1 ] || started_cluster=1
@@ -143,7 +143,12 @@ kubectl -n "$ns" get flease
 kubectl -n "$ns" get events --sort-by=.metadata.creationTimestamp \
   -o custom-columns=REASON:.reason,OBJECT:.involvedObject.name,MESSAGE:.message | grep -v setup || true
 
+say "6. beyond Kubernetes: the same story with PostgreSQL as the protected resource"
+"$FL_REPO/examples/postgres/demo.sh" "$bin" 2>&1 | grep -v '^Warning: resource customresourcedefinitions' ||
+  die "the PostgreSQL story did not end as expected"
+
 say "result"
 echo "with fencing:    $fenced   (worker-a's late write was refused: one reservation)"
 echo "without fencing: $unfenced   (both were told ACCEPTED for the one item; worker-a's stale"
 echo "                 write silently overwrote worker-b's reservation)"
+echo "PostgreSQL:      a conditional UPDATE on the highest token refused worker-a's stale blind write"
