@@ -19,8 +19,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 apt_install faketime curl openssl iproute2
-export FENCEDLEASE_CLUSTER_DIR=/tmp/fencedlease-history-cluster
-export FL_ETCD_PORT=52379 FL_ETCD_PEER_PORT=52380 FL_APISERVER_PORT=56443 FL_KCM_PORT=56257
+# Its own cluster (override with FL_HISTORY_CLUSTER_DIR and FL_HISTORY_PORT_BASE to run two).
+base="${FL_HISTORY_PORT_BASE:-52379}"
+export FENCEDLEASE_CLUSTER_DIR="${FL_HISTORY_CLUSTER_DIR:-/tmp/fencedlease-history-cluster}"
+export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((base + 4064)) FL_KCM_PORT=$((base + 3878))
 out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed}"
 rm -rf "$out" && mkdir -p "$out"
 trap 'hack/cluster.sh down' EXIT
