@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A real local Kubernetes control plane on loopback: etcd, kube-apiserver and
-# kube-controller-manager (namespaces, garbage collection). No node: pods are stored, not run.
+# kube-controller-manager (namespaces, garbage collection, ServiceAccount tokens). Pods are
+# stored, not run, unless hack/node.sh adds a node. The API server reaches Services (webhooks)
+# by dialing their endpoints (--enable-aggregator-routing), since there is no kube-proxy.
 #
 #   hack/cluster.sh up        start it (idempotent: a healthy cluster is kept; a broken or
 #                             crashed one is cleaned up and started afresh)
@@ -181,7 +183,7 @@ up() {
     --token-auth-file="$DIR/pki/tokens.csv" \
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$DIR/pki/sa.pub" --service-account-signing-key-file="$DIR/pki/sa.key" \
-    --disable-admission-plugins=ServiceAccount --allow-privileged=true
+    --enable-aggregator-routing=true --allow-privileged=true
   wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" healthy_probe
   kubeconfig
 

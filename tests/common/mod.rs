@@ -110,6 +110,22 @@ impl TestNamespace {
             .create(&PostParams::default(), &ns)
             .await
             .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+        // The ServiceAccount admission plugin refuses pods until the controller-manager has
+        // made the namespace's default ServiceAccount (and its token): wait for both.
+        let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(client.clone(), &name);
+        eventually(
+            Duration::from_secs(30),
+            "the namespace's default ServiceAccount",
+            || async {
+                let sa = sas.get_opt("default").await.ok().flatten()?;
+                sa.secrets
+                    .as_ref()
+                    .is_some_and(|s| !s.is_empty())
+                    .then_some(())
+            },
+        )
+        .await;
         TestNamespace { name }
     }
 }
