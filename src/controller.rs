@@ -85,6 +85,8 @@ impl Error {
 struct Seen {
     obs: Observation,
     holder: Option<String>,
+    /// The preferredHolder last seen (the acquiring write clears it).
+    preferred: Option<String>,
     /// The generation this controller's revocation produced, if it revoked this lease.
     revoked_generation: Option<i64>,
 }
@@ -206,14 +208,20 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
             Seen {
                 obs: obs.clone(),
                 holder: holder.clone(),
+                // Kept until someone acquires: the acquiring write clears it.
+                preferred: lease.spec.preferred_holder.clone().or_else(|| {
+                    prev.as_ref()
+                        .filter(|p| p.holder == holder)
+                        .and_then(|p| p.preferred.clone())
+                }),
                 revoked_generation: prev.as_ref().and_then(|p| p.revoked_generation),
             },
         );
-        prev.map(|p| (p.holder, obs))
+        prev.map(|p| (p.holder, p.preferred, obs))
     };
     if previous
         .as_ref()
-        .is_none_or(|(prev_holder, _)| *prev_holder != holder)
+        .is_none_or(|(prev_holder, _, _)| *prev_holder != holder)
     {
         move_leader_label(ctx, &ns, &lease.name_any(), holder.as_deref()).await?;
     }
@@ -223,11 +231,17 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
             .and_then(|s| s.revoked_generation)
             .is_some_and(|g| Some(g) == lease.metadata.generation)
     };
-    if let Some((prev_holder, _)) = &previous {
+    if let Some((prev_holder, prev_preferred, _)) = &previous {
         // A revocation already has its own Event.
         if *prev_holder != holder && !revoked_here {
             let token = lease.token().unwrap_or_default();
+            let handover = holder.is_some() && *prev_preferred == holder;
             let (reason, note, event) = match (prev_holder, &holder) {
+                (_, Some(h)) if handover => (
+                    "HandedOver",
+                    format!("{h}, the preferred holder, took the lease over with token {token}"),
+                    "handover",
+                ),
                 (Some(p), Some(h)) => (
                     "Acquired",
                     format!("{h} took the lease over from {p} with token {token}"),

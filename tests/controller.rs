@@ -167,3 +167,123 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
     );
     let _ = configs.delete(&config_name, &Default::default()).await;
 }
+
+fn http_get(port: u16, path: &str) -> (u16, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "2", "-o", "-", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Two replicas: one active (by the project's own election), both live and ready, metrics on
+/// each; SIGTERM of the active one hands over at once and exits 0; a handover to a preferred
+/// holder gets its own Event.
+#[tokio::test]
+async fn one_of_two_replicas_is_active_and_sigterm_hands_over() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "replicas").await;
+    let dir = scratch_dir("replicas");
+    let free = common::webhook::free_ports(2);
+    let ports = [free[0], free[1]];
+    let addr = |p: u16| format!("127.0.0.1:{p}");
+    let (a0, a1) = (addr(ports[0]), addr(ports[1]));
+    let mut reps = [
+        controller_with(&dir, &ns.name, "controller-0", &["--metrics-addr", &a0]),
+        controller_with(&dir, &ns.name, "controller-1", &["--metrics-addr", &a1]),
+    ];
+    // The sample line exactly: the HELP text also starts with "1 while ...".
+    let leading = |port: u16| {
+        http_get(port, "/metrics")
+            .1
+            .lines()
+            .any(|l| l == "fencedlease_controller_leading 1")
+    };
+    let active = eventually(
+        Duration::from_secs(20),
+        "exactly one active replica",
+        || async {
+            let l: Vec<usize> = (0..2).filter(|i| leading(ports[*i])).collect();
+            (l.len() == 1).then(|| l[0])
+        },
+    )
+    .await;
+    for p in ports {
+        assert_eq!(http_get(p, "/livez").0, 200);
+        assert_eq!(
+            http_get(p, "/readyz").0,
+            200,
+            "a standby replica is ready too"
+        );
+        let m = http_get(p, "/metrics").1;
+        assert!(
+            m.lines()
+                .any(|l| l.starts_with("fencedlease_controller_leading ")),
+            "{m}"
+        );
+    }
+    // A handover to a preferred holder, seen by the active replica.
+    let a = common::procs::campaign(&dir, &ns.name, "db", "pod-a", 15);
+    let b = common::procs::campaign(&dir, &ns.name, "db", "pod-b", 15);
+    let api: Api<fencedlease::api::FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    eventually(
+        Duration::from_secs(10),
+        "pod-a or pod-b to hold db",
+        || async { api.get("db").await.ok()?.holder().map(str::to_string) },
+    )
+    .await;
+    let holder = api
+        .get("db")
+        .await
+        .expect("get")
+        .holder()
+        .map(str::to_string)
+        .expect("holder");
+    let other = if holder == "pod-a" { "pod-b" } else { "pod-a" };
+    api.patch(
+        "db",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"spec": {"preferredHolder": other}})),
+    )
+    .await
+    .expect("ask for a handover");
+    eventually(Duration::from_secs(10), "a HandedOver event", || async {
+        let (ok, out, _) = common::kubectl(&[
+            "get",
+            "events",
+            "-n",
+            &ns.name,
+            "-o",
+            "custom-columns=R:.reason,M:.message",
+        ]);
+        (ok && out.contains("HandedOver") && out.contains(other)).then_some(())
+    })
+    .await;
+    drop((a, b));
+    // SIGTERM of the active replica: it exits 0 and the other takes over without waiting for
+    // the 15 s election lease to expire.
+    let t0 = std::time::Instant::now();
+    reps[active].signal(Signal::SIGTERM);
+    assert_eq!(
+        reps[active].wait_exit(Duration::from_secs(10)),
+        Some(0),
+        "{}",
+        reps[active].log_tail()
+    );
+    let standby = 1 - active;
+    eventually(
+        Duration::from_secs(5),
+        "the standby to become active",
+        || async { leading(ports[standby]).then_some(()) },
+    )
+    .await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+}

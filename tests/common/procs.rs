@@ -148,9 +148,10 @@ pub fn controller_with(dir: &Path, ns: &str, identity: &str, extra: &[&str]) -> 
         ns,
         "--identity",
         identity,
-        "--metrics-addr",
-        "127.0.0.1:0",
     ];
+    if !extra.contains(&"--metrics-addr") {
+        args.extend_from_slice(&["--metrics-addr", "127.0.0.1:0"]);
+    }
     args.extend_from_slice(extra);
     spawn_fencedlease(identity, dir, &args)
 }

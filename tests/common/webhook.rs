@@ -11,6 +11,16 @@ use kube::{Api, Client};
 
 use super::procs::{spawn_fencedlease, Proc};
 
+/// `n` distinct free ports (all held open while choosing, so none repeats).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port on 127.0.0.1"))
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().expect("local addr").port())
+        .collect()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -82,8 +92,8 @@ impl Webhook {
         let mount = dir.join("certs");
         std::fs::create_dir_all(&mount).expect("mkdir certs");
         let bundle = issue_certs(&mount, false);
-        let port = free_port();
-        let metrics_port = free_port();
+        let ports = free_ports(2);
+        let (port, metrics_port) = (ports[0], ports[1]);
         let proc = spawn_fencedlease(
             "webhook",
             dir,
