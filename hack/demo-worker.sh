@@ -1,8 +1,16 @@
 #!/bin/sh
-# A demo worker, run by `fencedlease campaign` while it leads: reserves the last item of an
-# inventory ConfigMap with a blind read-modify-write, sending its fencing token along.
+# A demo worker app beside a `fencedlease sidecar` (or run by `fencedlease campaign`): once it
+# leads, it reserves the last item of an inventory ConfigMap with a blind read-modify-write,
+# sending its fencing token along.
 #   demo-worker.sh CONFIGMAP TIMELINE THINK_SECONDS
 cm=$1 timeline=$2 think=$3
+# Beside a sidecar (FENCEDLEASE_URL set): wait until this pod leads, and take the token from
+# the sidecar's API. Under `fencedlease campaign`, the token is in the environment already.
+if [ -z "${FENCEDLEASE_TOKEN:-}" ]; then
+  until body=$(curl -fsS "$FENCEDLEASE_URL/v1/token" 2>/dev/null); do sleep 0.05; done
+  FENCEDLEASE_TOKEN=$(echo "$body" | sed -n 's/.*"token":\([0-9]*\).*/\1/p')
+  FENCEDLEASE_LEASE_UID=$(echo "$body" | sed -n 's/.*"leaseUID":"\([^"]*\)".*/\1/p')
+fi
 say() { echo "$(date +%s%N) $FENCEDLEASE_IDENTITY (token $FENCEDLEASE_TOKEN): $*" >>"$timeline"; }
 items=$(kubectl -n "$FENCEDLEASE_NAMESPACE" get configmap "$cm" -o jsonpath='{.data.items}')
 reservations=$(kubectl -n "$FENCEDLEASE_NAMESPACE" get configmap "$cm" -o jsonpath='{.data.reservations}')

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, the articles' story for real: a local Kubernetes, the CRD applied with kubectl,
-# the controller and the fencing webhook, and two workers sharing an inventory with one item
-# left. Worker A leads and starts a reservation; it is paused (SIGSTOP) past its lease, as a
+# the controller and the fencing webhook, and two workers (each an app beside a fencedlease
+# sidecar, as in a pod) sharing an inventory with one item left. Worker A leads and starts a reservation; it is paused (SIGSTOP) past its lease, as a
 # long GC or a stalled VM would; B takes over with a larger token and reserves the item; A
 # resumes and writes its reservation with its old token: the API server refuses it. Then the
 # same story without fencing shows the double booking it prevents. Exits non-zero if either
@@ -95,10 +95,16 @@ metadata:
   annotations: {fencedlease.io/token: \"\$FENCEDLEASE_TOKEN\", fencedlease.io/lease-uid: \"\$FENCEDLEASE_LEASE_UID\"}
 data: {items: \"1\", reservations: \"\"}
 YAML" 2>>"$work/setup.log" || die "creating the inventory failed (see $work/setup.log)"
-  worker() { # NAME THINK
-    setsid env RUST_LOG=warn "$bin" campaign --lease "$lease" --namespace "$ns" --identity "$1" \
-      --lease-duration 3 --grace-seconds 10 --events-file "$work/$lease-$1.events" -- \
-      "$FL_REPO/hack/demo-worker.sh" "$cm" "$timeline" "$2" 2>>"$work/$lease-$1.log" &
+  worker() { # NAME THINK: a "pod": the fencedlease sidecar and the app, one process group
+    local port
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    setsid env RUST_LOG=warn FENCEDLEASE_IDENTITY="$1" FENCEDLEASE_NAMESPACE="$ns" \
+      FENCEDLEASE_URL="http://127.0.0.1:$port" sh -c '
+        "$0" sidecar --lease "$1" --namespace "$FENCEDLEASE_NAMESPACE" --identity "$FENCEDLEASE_IDENTITY" \
+          --listen "127.0.0.1:$2" --lease-duration 3 --token-dir "$3" &
+        exec "$4" "$5" "$6" "$7"' \
+      "$bin" "$lease" "$port" "$work/$lease-$1-token" "$FL_REPO/hack/demo-worker.sh" "$cm" "$timeline" "$2" \
+      2>>"$work/$lease-$1.log" &
     pids+=($!)
     wpid[$1]=$!
   }
@@ -126,6 +132,7 @@ PY
 }
 
 say "3. with fencing: the inventory ConfigMap is labelled fencedlease.io/lease=inventory"
+echo "  (each worker is an app beside a fencedlease sidecar, which hands it the token over HTTP)"
 story inventory inventory yes
 fenced=$final
 grep -q "worker-a .*REFUSED.*stale token" "$work/inventory.timeline" || die "worker-a's stale write was not refused"
