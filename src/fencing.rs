@@ -437,6 +437,9 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("FL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+        ))]
         #[test]
         fn parse_never_panics_and_round_trips(s in "\\PC{0,30}") {
             if let Ok(n) = parse_token(&s) {

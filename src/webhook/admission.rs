@@ -297,7 +297,10 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
+        // 2,000 cases per test run; FL_FUZZ_CASES=N for a deeper run (RELIABILITY.md).
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("FL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000)
+        ))]
         #[test]
         fn parse_never_panics_on_bytes(body in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = parse(&body);
