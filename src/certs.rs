@@ -148,7 +148,7 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
     let bundle = ByteString(ca_pem.into_bytes());
     for name in &cfg.configurations {
         let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-        if let Some(c) = v.get_opt(name).await? {
+        if let Some(c) = visible(v.get_opt(name).await)? {
             let stale: Vec<String> = c
                 .webhooks
                 .iter()
@@ -164,7 +164,7 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
             }
         }
         let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-        if let Some(c) = m.get_opt(name).await? {
+        if let Some(c) = visible(m.get_opt(name).await)? {
             let stale: Vec<String> = c
                 .webhooks
                 .iter()
@@ -181,6 +181,15 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
         }
     }
     Ok(wrote)
+}
+
+/// A configuration name is of one kind or the other, and the chart lets the operator get each
+/// name as its own kind only: a 403 for the other kind means "not this kind", like a 404.
+fn visible<K>(r: Result<Option<K>, kube::Error>) -> Result<Option<K>, kube::Error> {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
+        other => other,
+    }
 }
 
 /// A field manager of our own, so that Helm's server-side apply (which never sets caBundle)
