@@ -127,6 +127,10 @@ pub struct Elector {
     hold_off_until: Option<Instant>,
     last_renew_wall: Option<jiff::Timestamp>,
     last_create_attempt: Option<Instant>,
+    /// The watch has listed at least once (so "no object" means the lease does not exist).
+    listed: bool,
+    /// Creating was refused by RBAC once already (said once, then quietly retried).
+    create_forbidden: bool,
 }
 
 impl Elector {
@@ -151,6 +155,8 @@ impl Elector {
             hold_off_until: None,
             last_renew_wall: None,
             last_create_attempt: None,
+            listed: false,
+            create_forbidden: false,
         };
         Ok((
             elector,
@@ -220,6 +226,7 @@ impl Elector {
                     Some(Ok(watcher::Event::Delete(_))) => self.saw(None),
                     Some(Ok(watcher::Event::Init)) => listed_any = false,
                     Some(Ok(watcher::Event::InitDone)) => {
+                        self.listed = true;
                         if !listed_any {
                             self.saw(None);
                         }
@@ -394,6 +401,9 @@ impl Elector {
 
     async fn maybe_create(&mut self, now: Instant) -> Option<Instant> {
         let duration = self.cfg.create_with_duration?;
+        if !self.listed {
+            return None; // the first list may still bring the lease
+        }
         if self
             .last_create_attempt
             .is_some_and(|t| now < t + Duration::from_secs(1))
@@ -410,6 +420,12 @@ impl Elector {
                 self.saw(Some(created));
             }
             Err(kube::Error::Api(s)) if s.code == 409 => debug!("the FencedLease exists already"),
+            Err(kube::Error::Api(s)) if s.code == 403 => {
+                if !self.create_forbidden {
+                    warn!("the FencedLease does not exist and this identity may not create it: waiting for it to be created");
+                    self.create_forbidden = true;
+                }
+            }
             Err(e) => warn!(error = %e, "creating the FencedLease failed; retrying"),
         }
         Some(now + Duration::from_secs(1))
