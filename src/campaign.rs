@@ -56,7 +56,10 @@ impl EventLog {
         if let (Some(obj), serde_json::Value::Object(more)) = (line.as_object_mut(), extra) {
             obj.extend(more);
         }
-        if let Err(e) = writeln!(f, "{line}") {
+        // One write per line (O_APPEND): a reader never sees half a line.
+        let mut text = line.to_string();
+        text.push('\n');
+        if let Err(e) = f.write_all(text.as_bytes()) {
             warn!(error = %e, "writing the events file failed");
         }
     }
