@@ -312,6 +312,18 @@ async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_
         !cars[i].token_dir.join("token").exists(),
         "the old leader removed its token file"
     );
+    // The follower's stream reports the new holder a moment after /v1/status polling sees it.
+    // (A leader reports itself as the holder, so this holds whichever sidecar won.)
+    let holder_json = format!("\"holder\":{}", next["identity"]);
+    eventually(
+        Duration::from_secs(5),
+        "the SSE stream to report the new holder",
+        || async {
+            let text = std::fs::read_to_string(&sse_out).unwrap_or_default();
+            text.contains(&holder_json).then_some(())
+        },
+    )
+    .await;
     let _ = sse.kill();
     let _ = sse.wait();
     let stream = std::fs::read_to_string(&sse_out).unwrap_or_default();
