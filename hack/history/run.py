@@ -281,7 +281,20 @@ class Run:
             except subprocess.TimeoutExpired:
                 self.send(name, signal.SIGKILL)
         self.stop.set()
-        code, cm = self.kube.request("GET", f"/api/v1/namespaces/{NS}/configmaps/history")
+        # The nemesis may have just restarted the API server: retry the final read.
+        cm = None
+        for _ in range(120):
+            try:
+                code, cm = self.kube.request("GET", f"/api/v1/namespaces/{NS}/configmaps/history")
+                if code == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        if not isinstance(cm, dict):
+            raise SystemExit("history: the final ConfigMap could not be read: the run proves nothing")
+        json.dump(cm, open(os.path.join(self.out, "final-configmap.json"), "w"))
+        json.dump(self.lease_history, open(os.path.join(self.out, "lease-history.json"), "w"))
         return check(self.out, cm, self.lease_history, self.faults)
 
 
