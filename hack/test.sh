@@ -14,16 +14,24 @@ cd "$FL_REPO"
 command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs), then rerun"
 apt_install curl openssl iproute2 procps
 
-started_cluster=0
+started_cluster=0 started_node=0
+# The node goes down before the control plane, so that its Node object can be deleted.
+[ "${FL_KEEP_CLUSTER:-0}" = 1 ] ||
+  trap '[ $started_node = 1 ] && hack/node.sh down; [ $started_cluster = 1 ] && hack/cluster.sh down' EXIT
 if ! hack/cluster.sh status >/dev/null 2>&1; then
   started_cluster=1
-  if [ "${FL_KEEP_CLUSTER:-0}" != 1 ]; then
-    trap 'hack/cluster.sh down' EXIT
-  fi
   hack/cluster.sh up
 fi
 eval "$(hack/cluster.sh env)"
 export KUBECONFIG
+# A real node (kubelet + containerd) and the project's image, for the tests that run pods.
+if ! hack/node.sh status >/dev/null 2>&1; then
+  started_node=1
+  hack/node.sh up
+fi
+log "building the image from the debug binary (hack/image.sh)"
+cargo build --quiet
+FL_IMAGE_PROFILE=debug hack/image.sh
 
 log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
