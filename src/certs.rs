@@ -149,38 +149,54 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
     for name in &cfg.configurations {
         let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
         if let Some(c) = visible(v.get_opt(name).await)? {
-            let stale: Vec<String> = c
-                .webhooks
-                .iter()
-                .flatten()
-                .filter(|w| w.client_config.ca_bundle.as_ref() != Some(&bundle))
-                .map(|w| w.name.clone())
-                .collect();
-            if !stale.is_empty() {
-                v.patch(name, &patch_params(), &ca_bundle_patch(&stale, &bundle))
-                    .await?;
-                info!(configuration = %name, "updated the caBundle of the validating webhooks");
-                wrote = true;
-            }
+            let hooks = c.webhooks.iter().flatten();
+            let stale = stale_webhooks(
+                hooks.map(|w| (&w.name, w.client_config.ca_bundle.as_ref())),
+                &bundle,
+            );
+            wrote |= patch_ca_bundle(&v, name, &stale, &bundle).await?;
         }
         let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
         if let Some(c) = visible(m.get_opt(name).await)? {
-            let stale: Vec<String> = c
-                .webhooks
-                .iter()
-                .flatten()
-                .filter(|w| w.client_config.ca_bundle.as_ref() != Some(&bundle))
-                .map(|w| w.name.clone())
-                .collect();
-            if !stale.is_empty() {
-                m.patch(name, &patch_params(), &ca_bundle_patch(&stale, &bundle))
-                    .await?;
-                info!(configuration = %name, "updated the caBundle of the mutating webhooks");
-                wrote = true;
-            }
+            let hooks = c.webhooks.iter().flatten();
+            let stale = stale_webhooks(
+                hooks.map(|w| (&w.name, w.client_config.ca_bundle.as_ref())),
+                &bundle,
+            );
+            wrote |= patch_ca_bundle(&m, name, &stale, &bundle).await?;
         }
     }
     Ok(wrote)
+}
+
+/// The names of the webhooks whose caBundle is not `bundle`.
+fn stale_webhooks<'a>(
+    hooks: impl Iterator<Item = (&'a String, Option<&'a ByteString>)>,
+    bundle: &ByteString,
+) -> Vec<String> {
+    hooks
+        .filter(|(_, ca)| *ca != Some(bundle))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// Sets caBundle on the named webhooks of one configuration; true when it wrote.
+async fn patch_ca_bundle<K>(
+    api: &Api<K>,
+    name: &str,
+    stale: &[String],
+    bundle: &ByteString,
+) -> Result<bool, kube::Error>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if stale.is_empty() {
+        return Ok(false);
+    }
+    api.patch(name, &patch_params(), &ca_bundle_patch(stale, bundle))
+        .await?;
+    info!(configuration = %name, kind = %K::kind(&()), "updated the caBundle of its webhooks");
+    Ok(true)
 }
 
 /// A configuration name is of one kind or the other, and the chart lets the operator get each

@@ -26,6 +26,8 @@ use base64::Engine as _;
 use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
+use kube::core::admission::AdmissionReview;
+use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
@@ -223,15 +225,21 @@ fn review_response(review: &impl serde::Serialize) -> Response {
     }
 }
 
-async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
-    let started = Instant::now();
-    let (review, label) = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
-        Err(_) => (
+/// Reads a request body up to the cap, or the refusing review to answer with.
+async fn read_body(body: Body) -> Result<axum::body::Bytes, AdmissionReview<DynamicObject>> {
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| {
             admission::unreadable(&format!(
                 "the body is larger than {MAX_BODY_BYTES} bytes or broken"
-            )),
-            "invalid",
-        ),
+            ))
+        })
+}
+
+async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
+    let started = Instant::now();
+    let (review, label) = match read_body(body).await {
+        Err(review) => (review, "invalid"),
         Ok(bytes) => match admission::parse(&bytes) {
             Parsed::Invalid(review) => (*review, "invalid"),
             Parsed::Pass(resp, why) => {
@@ -260,13 +268,8 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
 
 async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
-    let (review, label) = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
-        Err(_) => (
-            admission::unreadable(&format!(
-                "the body is larger than {MAX_BODY_BYTES} bytes or broken"
-            )),
-            "invalid",
-        ),
+    let (review, label) = match read_body(body).await {
+        Err(review) => (review, "invalid"),
         Ok(bytes) => inject::review(&bytes, &s.inject),
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
