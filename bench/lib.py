@@ -1,0 +1,507 @@
+"""Shared pieces of the benchmark harness (Python 3.11 standard library only).
+
+- log() with a heartbeat thread that prints the current step every 30 s at least;
+- Kube: a tiny keep-alive HTTPS client for the bench cluster's API server (admin token);
+- Procs: processes started in their own session, all killed at exit (nothing left behind);
+- percentiles, JSON-lines event files, result writing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import calendar
+import http.client
+import json
+import os
+import random
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+CLUSTER_DIR = Path(os.environ.get("FENCEDLEASE_CLUSTER_DIR", "/tmp/fencedlease-bench-cluster"))
+API_PORT = int(os.environ.get("FL_APISERVER_PORT", "36443"))
+CACHE = Path(os.environ.get("FL_BENCH_CACHE", Path.home() / ".cache/fencedlease/bench"))
+FENCEDLEASE = Path(os.environ.get("FL_BENCH_BIN", CACHE / "fencedlease"))
+PEER = Path(os.environ.get("FL_BENCH_PEER", CACHE / "leader-election-peer"))
+WORK = Path(os.environ.get("FL_BENCH_WORK", "/tmp/fencedlease-bench-work"))
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+_last_print = time.monotonic()
+_step = "starting"
+_step_started = time.monotonic()
+_lock = threading.Lock()
+
+
+def log(msg: str) -> None:
+    global _last_print
+    with _lock:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+        _last_print = time.monotonic()
+
+
+def step(name: str) -> None:
+    """Names what runs now; the heartbeat repeats it when nothing else was printed."""
+    global _step, _step_started
+    _step, _step_started = name, time.monotonic()
+    log(name)
+
+
+def _heartbeat() -> None:
+    while True:
+        time.sleep(5)
+        if time.monotonic() - _last_print >= 25:
+            log(f"  ... {_step} ({time.monotonic() - _step_started:.0f} s)")
+
+
+threading.Thread(target=_heartbeat, daemon=True).start()
+
+# ---------------------------------------------------------------------------------------------
+# numbers
+
+
+def pct(values: Iterable[float], p: float) -> float | None:
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return None
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "min": min(values),
+        "p50": pct(values, 50),
+        "p90": pct(values, 90),
+        "p99": pct(values, 99),
+        "max": max(values),
+        "mean": sum(values) / len(values),
+    }
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+# ---------------------------------------------------------------------------------------------
+# the API server
+
+
+def admin_token() -> str:
+    return (CLUSTER_DIR / "pki/admin.token").read_text().strip()
+
+
+def ca_file() -> Path:
+    return CLUSTER_DIR / "pki/ca.crt"
+
+
+def kubeconfig() -> Path:
+    return CLUSTER_DIR / "kubeconfig"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(f"HTTP {status}: {str(body)[:300]}")
+        self.status = status
+        self.body = body
+
+
+class Kube:
+    """A keep-alive HTTPS client per thread, authenticated as the bench cluster's admin."""
+
+    def __init__(self, port: int = API_PORT):
+        self.port = port
+        self.ctx = ssl.create_default_context(cafile=str(ca_file()))
+        self.token = admin_token()
+        self.local = threading.local()
+
+    def _conn(self) -> http.client.HTTPSConnection:
+        c = getattr(self.local, "conn", None)
+        if c is None:
+            c = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.ctx, timeout=30)
+            self.local.conn = c
+        return c
+
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/json", ok=(200, 201)) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = content_type
+        for attempt in range(3):
+            c = self._conn()
+            try:
+                c.request(method, path, body=data, headers=headers)
+                resp = c.getresponse()
+                raw = resp.read()
+                break
+            except (http.client.HTTPException, OSError):
+                c.close()
+                self.local.conn = None
+                if attempt == 2:
+                    raise
+                time.sleep(0.2)
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        if resp.status not in ok:
+            raise ApiError(resp.status, parsed)
+        return parsed
+
+    def timed(self, method: str, path: str, body: Any, content_type: str) -> tuple[int, int]:
+        """One request; returns (status, elapsed ns) measured around the round trip."""
+        data = json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json",
+                   "Content-Type": content_type}
+        c = self._conn()
+        t0 = time.perf_counter_ns()
+        c.request(method, path, body=data, headers=headers)
+        resp = c.getresponse()
+        resp.read()
+        return resp.status, time.perf_counter_ns() - t0
+
+    def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        body = {"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "labels": {"fencedlease.io/bench": "true",
+                                                      "fencedlease.io/bench-ns": name,
+                                                      **(labels or {})}}}
+        try:
+            self.request("POST", "/api/v1/namespaces", body)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+
+    def get_opt(self, path: str) -> Any:
+        try:
+            return self.request("GET", path)
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+
+def fl_path(ns: str, name: str | None = None) -> str:
+    p = f"/apis/fencedlease.io/v1alpha1/namespaces/{ns}/fencedleases"
+    return p if name is None else f"{p}/{name}"
+
+
+def lease_path(ns: str, name: str) -> str:
+    return f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}"
+
+
+def parse_time_ns(s: str | None) -> int | None:
+    """RFC 3339 with up to nanosecond fraction, as the API server writes MicroTime, to Unix ns."""
+    if not s:
+        return None
+    s = s.rstrip("Z")
+    base, _, frac = s.partition(".")
+    t = time.strptime(base, "%Y-%m-%dT%H:%M:%S")
+    secs = calendar.timegm(t)
+    frac_ns = int((frac + "000000000")[:9]) if frac else 0
+    return secs * 1_000_000_000 + frac_ns
+
+
+def kubectl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig()), *args],
+                          capture_output=True, text=True, check=check)
+
+
+def install_crd() -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=fencedlease-bench",
+            "-f", str(REPO / "crds/fencedleases.fencedlease.io.yaml"))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s",
+            "crd/fencedleases.fencedlease.io")
+
+
+def write_kubeconfig(path: Path, server: str, ca_pem: bytes) -> None:
+    import base64
+
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {
+            "server": server, "certificate-authority-data": base64.b64encode(ca_pem).decode()}}],
+        "users": [{"name": "u", "user": {"token": admin_token()}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "c",
+    }))
+    path.chmod(0o600)
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+_procs: list["Proc"] = []
+
+
+class Proc:
+    """A process in a session of its own (so that a group signal reaches its children)."""
+
+    def __init__(self, name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None,
+                 events: Path | None = None, cpus: str | None = None):
+        self.name = name
+        self.events = events
+        self.started_ns = now_ns()
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.logfile = logdir / f"{name}.log"
+        if cpus:
+            argv = ["taskset", "-c", cpus, *argv]
+        full_env = {**os.environ, **(env or {})}
+        with open(self.logfile, "ab") as out:
+            self.p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=full_env,
+                                      start_new_session=True)
+        _procs.append(self)
+        WORK.mkdir(parents=True, exist_ok=True)
+        with open(WORK / "pids", "a") as f:  # for run.sh's safety net
+            f.write(f"{self.p.pid}\n")
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (resuming it first), then SIGKILL of the whole group."""
+        if self.alive():
+            self.signal_group(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_group(signal.SIGKILL)
+        try:
+            self.p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def read_events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.events) if self.events else []
+
+    def rss_kib(self) -> tuple[int, int]:
+        """(VmRSS, VmHWM) in KiB."""
+        rss = hwm = 0
+        with open(f"/proc/{self.p.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1])
+        return rss, hwm
+
+
+def stop_all(procs: Iterable[Proc] | None = None) -> None:
+    targets = list(procs) if procs is not None else list(_procs)
+    for p in targets:
+        if p.alive():
+            p.signal_group(signal.SIGCONT)
+            p.signal_group(signal.SIGKILL)
+    for p in targets:
+        try:
+            p.p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if p in _procs:
+            _procs.remove(p)
+
+
+atexit.register(stop_all)
+
+
+def _on_signal(sig, _frame):
+    stop_all()
+    sys.exit(128 + sig)
+
+
+signal.signal(signal.SIGTERM, _on_signal)
+signal.signal(signal.SIGINT, _on_signal)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line being written
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def write_result(outdir: Path, name: str, data: dict[str, Any]) -> Path:
+    outdir.mkdir(parents=True, exist_ok=True)
+    p = outdir / f"{name}.json"
+    p.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    log(f"wrote {p}")
+    return p
+
+
+def rand_suffix() -> str:
+    return f"{random.getrandbits(32):08x}"
+
+
+def webhook_certs(outdir: Path) -> str:
+    """`fencedlease certs` for 127.0.0.1; returns the caBundle (base64)."""
+    r = subprocess.run([str(FENCEDLEASE), "certs", "--out", str(outdir), "--host", "127.0.0.1"],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.strip()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: str) -> None:
+    """A ValidatingWebhookConfiguration for labelled ConfigMaps in namespaces labelled
+    fencedlease.io/bench-ns=<ns_label>, as the project's tests and demo register it."""
+    body = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "fencing.fencedlease.io",
+            "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
+            "timeoutSeconds": 5,
+            "clientConfig": {"url": f"https://127.0.0.1:{port}/validate", "caBundle": bundle},
+            "namespaceSelector": {"matchLabels": {"fencedlease.io/bench-ns": ns_label}},
+            "objectSelector": {"matchExpressions": [
+                {"key": "fencedlease.io/lease", "operator": "Exists"}]},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": ["configmaps"], "scope": "Namespaced"}],
+        }],
+    }
+    path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+    try:
+        kube.request("DELETE", f"{path}/{name}", ok=(200, 404))
+    except ApiError:
+        pass
+    kube.request("POST", path, body)
+
+
+def wait_webhook_effective(kube: Kube, ns: str) -> None:
+    """Until a labelled ConfigMap without a token is refused by our webhook."""
+    probe = {"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "webhook-probe", "labels": {"fencedlease.io/lease": "probe"}}}
+
+    def refused() -> bool:
+        try:
+            kube.request("POST", f"/api/v1/namespaces/{ns}/configmaps", probe)
+            kube.request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/webhook-probe")
+            return False
+        except ApiError as e:
+            return "fencedlease" in str(e.body)
+
+    wait_until(refused, 30, "the webhook to be in effect", interval=0.3)
+
+
+def start_webhook(name: str, logdir: Path, certdir: Path, cpus: str | None = None) -> tuple[Proc, int, int, str]:
+    bundle = webhook_certs(certdir)
+    port, mport = free_port(), free_port()
+    p = Proc(name, [str(FENCEDLEASE), "webhook", "--listen", f"127.0.0.1:{port}",
+                    "--tls-cert", str(certdir / "tls.crt"), "--tls-key", str(certdir / "tls.key"),
+                    "--metrics-addr", f"127.0.0.1:{mport}"],
+             logdir, env={"KUBECONFIG": str(kubeconfig()), "RUST_LOG": "warn"}, cpus=cpus)
+
+    def ready() -> bool:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", mport, timeout=1)
+            c.request("GET", "/readyz")
+            return c.getresponse().status == 200
+        except OSError:
+            return False
+
+    wait_until(ready, 30, "the webhook to be ready", interval=0.2)
+    return p, port, mport, bundle
+
+
+def http_get(port: int, path: str) -> str:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request("GET", path)
+    return c.getresponse().read().decode()
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Prometheus text: {'label-string': value} for samples of metric `name` (exact name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        if rest and rest[0] not in "{ ":
+            continue
+        key, _, val = rest.rpartition(" ")
+        try:
+            out[key.strip()] = float(val)
+        except ValueError:
+            pass
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    def sh(cmd: str) -> str:
+        r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
+        return r.stdout.strip()
+
+    mem_kib = int(sh("awk '/MemTotal/{print $2}' /proc/meminfo") or 0)
+    return {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "cpu_model": sh("awk -F': ' '/model name/{print $2; exit}' /proc/cpuinfo"),
+        "mem_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": sh("uname -sr"),
+        "loadavg": sh("cat /proc/loadavg"),
+        "rustc": sh("rustc --version"),
+        "go": sh("go version"),
+        "python": sys.version.split()[0],
+        "kube_apiserver": sh(f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin/kube-apiserver --version"),
+        "etcd": sh(f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin/etcd --version | head -1"),
+        "fencedlease_commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
+        "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src Cargo.toml | wc -l"),
+    }

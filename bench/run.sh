@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# fencedlease benchmarks, side by side with client-go's leader election (issue 9).
+#
+#   bench/run.sh [--quick|--full] [NAME...]
+#
+# NAMEs (default: all, in this order):
+#   decision           criterion: fencing::decide, admission parse/respond (cargo bench)
+#   failover-kill      SIGKILL of the holder: time to the next leader and its first fenced write
+#   failover-stop      SIGSTOP of the holder for longer than the lease
+#   failover-term      SIGTERM of the holder: graceful handover
+#   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
+#   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
+#   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
+#   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
+#
+# --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
+#   whatever the numbers (for CI). --full: the sizes of the record (about 40 minutes).
+#
+# It builds what it needs (fencedlease in release mode, the bench binaries, the client-go peer
+# from the Kubernetes source tree, see bench/build-peer.sh), starts its OWN local Kubernetes
+# (/tmp/fencedlease-bench-cluster, apiserver on 127.0.0.1:36443: not the tests' instance), and
+# stops it again at the end, with every process it started. Results: bench/results/<mode>-<time>/
+# (one JSON per benchmark, summary.json, tables.md, plots/); a full run also refreshes
+# bench/results/summary-full.json and bench/plots/*.svg.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+# shellcheck source=hack/lib.sh
+source "$REPO/hack/lib.sh"
+
+MODE=quick
+NAMES=()
+for a in "$@"; do
+  case "$a" in
+    --quick) MODE=quick ;;
+    --full) MODE=full ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -*) die "unknown option $a (use --quick or --full)" ;;
+    *) NAMES+=("$a") ;;
+  esac
+done
+ALL=(decision failover-kill failover-stop failover-term apiload webhook-server webhook-apiserver controller-scale)
+[ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
+for n in "${NAMES[@]}"; do
+  [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
+done
+
+# Our own cluster instance, never the tests' one.
+export FENCEDLEASE_CLUSTER_DIR="${FL_BENCH_CLUSTER_DIR:-/tmp/fencedlease-bench-cluster}"
+export FL_ETCD_PORT="${FL_BENCH_ETCD_PORT:-32379}" FL_ETCD_PEER_PORT="${FL_BENCH_ETCD_PEER_PORT:-32380}"
+export FL_APISERVER_PORT="${FL_BENCH_APISERVER_PORT:-36443}" FL_KCM_PORT="${FL_BENCH_KCM_PORT:-36257}"
+export FL_BENCH_CACHE="${FL_BENCH_CACHE:-$FL_CACHE/bench}"
+export FL_BENCH_WORK="${FL_BENCH_WORK:-/tmp/fencedlease-bench-work}"
+export KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig"
+STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
+OUT="$HERE/results/$MODE-$STAMP"
+mkdir -p "$OUT" "$FL_BENCH_CACHE" "$FL_BENCH_WORK"
+log "benchmarks ($MODE): ${NAMES[*]}; results in $OUT"
+
+command -v python3 >/dev/null || apt_install python3
+command -v curl >/dev/null || apt_install curl
+command -v taskset >/dev/null || apt_install util-linux
+
+# -- build ---------------------------------------------------------------------------------------
+cd "$REPO"
+with_heartbeat "cargo build --release" "$OUT/build.log" cargo build --release
+with_heartbeat "cargo bench --no-run" "$OUT/build-benches.log" \
+  cargo bench --no-run --message-format=json
+# Private copies: other builds may replace target/ while the benchmarks run.
+cp target/release/fencedlease "$FL_BENCH_CACHE/fencedlease"
+bench_exe() { # NAME: the bench executable that the build above produced
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[2]:
+        print(m["executable"])' "$OUT/build-benches.log" "$1" | tail -1
+}
+LOADER=$(bench_exe webhook_load)
+DECISION=$(bench_exe webhook_decision)
+[ -n "$LOADER" ] && [ -n "$DECISION" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
+cp "$DECISION" "$FL_BENCH_CACHE/webhook_decision"
+cp "$LOADER" "$FL_BENCH_CACHE/webhook_load"
+"$HERE/build-peer.sh" >/dev/null
+
+# -- the cluster ---------------------------------------------------------------------------------
+cleanup() {
+  local rc=$?
+  # The benchmarks stop what they start; as a safety net, kill the process groups whose ids
+  # they recorded, if those processes still run one of our binaries.
+  if [ -f "$FL_BENCH_WORK/pids" ]; then
+    while read -r pid; do
+      if grep -qa -e "$FL_BENCH_CACHE" -e "$HERE" "/proc/$pid/cmdline" 2>/dev/null; then
+        kill -CONT -- "-$pid" 2>/dev/null || true
+        kill -KILL -- "-$pid" 2>/dev/null || true
+      fi
+    done <"$FL_BENCH_WORK/pids"
+    rm -f "$FL_BENCH_WORK/pids"
+  fi
+  "$REPO/hack/cluster.sh" down || true
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+# A fresh instance: no objects left from an earlier run (10,000 leases would skew the next one).
+"$REPO/hack/cluster.sh" down
+"$REPO/hack/cluster.sh" up
+
+python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
+  "$HERE" >"$OUT/machine.json"
+log "machine: $(nproc) cores, load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# -- the benchmarks -------------------------------------------------------------------------------
+if [ "$MODE" = full ]; then
+  CRIT=(--warm-up-time 1 --measurement-time 4)
+  FAIL=(--lease 15 --lanes 8 --trials 12)
+  TERM_=(--lease 15 --lanes 8 --trials 25)
+  API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
+  WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
+  WHA=(--updates 1000 --updates-warmup 50)
+  CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
+else
+  CRIT=(--warm-up-time 0.1 --measurement-time 0.3)
+  FAIL=(--lease 3 --lanes 1 --trials 2)
+  TERM_=(--lease 3 --lanes 1 --trials 3)
+  API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
+  WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
+  WHA=(--updates 50 --updates-warmup 10)
+  CTL=(--n 200 --probes 1 --probe-lease 2)
+fi
+
+FAILED=()
+bench() { # NAME CMD...
+  local name="$1"; shift
+  log "== $name"
+  local start=$SECONDS
+  if (cd "$HERE" && "$@"); then
+    log "== $name: done in $((SECONDS - start)) s"
+  else
+    log "== $name: FAILED after $((SECONDS - start)) s"
+    FAILED+=("$name")
+  fi
+}
+crit() {
+  # The executable built at the start (what `cargo bench --bench webhook_decision` runs), so
+  # that edits to src/ made meanwhile do not rebuild or change it mid-run.
+  rm -rf "$OUT/criterion"
+  with_heartbeat "webhook_decision (criterion)" "$OUT/decision.log" \
+    env CRITERION_HOME="$OUT/criterion" "$FL_BENCH_CACHE/webhook_decision" --bench "${CRIT[@]}"
+  grep -E "time:|^[a-z_]+/[A-Za-z0-9_]+$" "$OUT/decision.log" >&2 || true
+}
+
+for n in "${NAMES[@]}"; do
+  case "$n" in
+    decision) bench decision crit ;;
+    failover-kill) bench "$n" python3 failover.py kill "${FAIL[@]}" --out "$OUT" ;;
+    failover-stop) bench "$n" python3 failover.py stop "${FAIL[@]}" --out "$OUT" ;;
+    failover-term) bench "$n" python3 failover.py term "${TERM_[@]}" --out "$OUT" ;;
+    apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
+    webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
+    webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" --out "$OUT" ;;
+    controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
+  esac
+done
+
+python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
+  "$HERE" >"$OUT/machine-after.json"
+log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+PLOTS="$OUT/plots"
+[ "$MODE" = full ] && PLOTS="$HERE/plots"
+python3 "$HERE/report.py" "$OUT" --plots "$PLOTS" --criterion "$OUT/criterion" >"$OUT/report.log"
+cat "$OUT/tables.md" >&2
+if [ "$MODE" = full ]; then
+  cp "$OUT/summary.json" "$HERE/results/summary-full.json"
+  log "recorded: bench/results/summary-full.json and bench/plots/"
+fi
+if [ ${#FAILED[@]} -gt 0 ]; then
+  die "these benchmarks failed: ${FAILED[*]} (logs: $OUT, $FL_BENCH_WORK)"
+fi
+log "all benchmarks ran ($MODE); results in $OUT"

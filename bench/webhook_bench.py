@@ -1,0 +1,211 @@
+"""Webhook benchmarks (issue 9, item 5), the two that need a running server:
+
+server  - `fencedlease webhook` alone under load, pinned to one core (taskset -c 0), with the
+          load generator (benches/webhook_load.rs) on the other core. Closed loop for the maximum
+          rate; open loop at fixed rates (1,000 and 5,000 reviews/s) for latency. The review is an
+          UPDATE of a protected ConfigMap with the current token (allowed, answered from the
+          lease cache: the common case). Also read: the server's own histogram
+          (fencedlease_webhook_admission_seconds) and its CPU time per review.
+apiserver - a protected ConfigMap update through the API server (so through the webhook)
+          against the same update of an unlabelled ConfigMap (which the objectSelector keeps away
+          from the webhook), interleaved one by one over one keep-alive connection; the added
+          latency is the difference of the percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import lib
+from lib import CACHE, Kube, log, stats, step
+
+LOADER = Path(os.environ.get("FL_BENCH_LOADER", CACHE / "webhook_load"))
+
+
+def held_lease(kube: Kube, ns: str, name: str) -> tuple[str, int]:
+    body = {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
+            "metadata": {"name": name},
+            "spec": {"holderIdentity": "worker-b", "leaseDurationSeconds": 3600}}
+    o = kube.request("POST", lib.fl_path(ns), body)
+    return o["metadata"]["uid"], o["metadata"]["generation"]
+
+
+def review_body(ns: str, lease: str, uid: str, token: int) -> bytes:
+    def cm(tok: int) -> dict:
+        return {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "inventory", "namespace": ns, "uid": "7d1b1c8e-0f0a-4b9a",
+                             "resourceVersion": "1234",
+                             "labels": {"fencedlease.io/lease": lease, "app": "shop"},
+                             "annotations": {"fencedlease.io/token": str(tok),
+                                             "fencedlease.io/lease-uid": uid}},
+                "data": {"items": "1", "reservations": "worker-b"}}
+
+    return json.dumps({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+            "name": "inventory", "namespace": ns, "operation": "UPDATE",
+            "userInfo": {"username": "system:serviceaccount:shop:worker"},
+            "object": cm(token), "oldObject": cm(token), "dryRun": False,
+        }}).encode()
+
+
+def histogram(text: str) -> dict[float, float]:
+    """Cumulative bucket counts of fencedlease_webhook_admission_seconds: {le: count}."""
+    out = {}
+    for k, v in lib.metric_values(text, "fencedlease_webhook_admission_seconds_bucket").items():
+        le = k.split('le="')[1].split('"')[0]
+        out[float("inf") if le == "+Inf" else float(le)] = v
+    return out
+
+
+def hist_quantile(before: dict, after: dict, q: float) -> float | None:
+    """The upper bound (seconds) of the bucket holding quantile q of the requests in between."""
+    les = sorted(after)
+    total = after[les[-1]] - before.get(les[-1], 0)
+    if total <= 0:
+        return None
+    for le in les:
+        if after[le] - before.get(le, 0) >= q * total:
+            return le
+    return None
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server(args, kube: Kube, work: Path) -> dict:
+    ns = f"bench-wh-{lib.rand_suffix()}"
+    kube.create_namespace(ns)
+    uid, gen = held_lease(kube, ns, "inventory")
+    wh, port, mport, _ = lib.start_webhook("webhook-server", work / "logs", work / "certs", cpus="0")
+    body = work / "review.json"
+    body.write_bytes(review_body(ns, "inventory", uid, gen))
+    ca = work / "certs/ca.crt"
+    runs = []
+    plan = [("closed", None, args.connections_closed)] + [
+        ("open", r, 64) for r in args.rates for _ in range(args.repeat)]
+    try:
+        for mode, rate, conns in plan:
+            step(f"webhook server: {mode} loop" + (f" at {rate}/s" if rate else f", {conns} connections")
+                 + f", {args.seconds} s (+{args.warmup} s warm-up)")
+            before = lib.http_get(mport, "/metrics")
+            cpu0 = cpu_seconds(wh.pid)
+            argv = ["taskset", "-c", "1", str(LOADER), "--url", f"https://127.0.0.1:{port}/validate",
+                    "--ca", str(ca), "--body", str(body), "--seconds", str(args.seconds),
+                    "--warmup", str(args.warmup), "--connections", str(conns)]
+            if rate:
+                argv += ["--rate", str(rate)]
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + args.warmup + 60)
+            if r.returncode != 0:
+                raise RuntimeError(f"webhook_load failed: {r.stderr[-2000:]}")
+            res = json.loads(r.stdout)
+            cpu = cpu_seconds(wh.pid) - cpu0
+            after = lib.http_get(mport, "/metrics")
+            hb, ha = histogram(before), histogram(after)
+            served = (sum(lib.metric_values(after, "fencedlease_webhook_admissions_total").values())
+                      - sum(lib.metric_values(before, "fencedlease_webhook_admissions_total").values()))
+            res["server_cpu_s"] = cpu
+            res["server_reviews_total"] = served  # includes the warm-up
+            res["reviews_per_cpu_second"] = served / cpu if cpu > 0 else None
+            res["in_server_p50_bucket_s"] = hist_quantile(hb, ha, 0.50)
+            res["in_server_p99_bucket_s"] = hist_quantile(hb, ha, 0.99)
+            lat = res["latency"]
+            log(f"  {res['achieved_rps']:.0f} reviews/s, client-side p50 {lat['p50_us']:.0f} us "
+                f"p99 {lat['p99_us']:.0f} us, not allowed {res['not_allowed']}, errors {res['errors']}; "
+                f"server {res['reviews_per_cpu_second'] or 0:.0f} reviews per CPU-second, in-server p99 "
+                f"<= {(res['in_server_p99_bucket_s'] or 0) * 1e6:.0f} us")
+            runs.append(res)
+    finally:
+        rss = wh.rss_kib() if wh.alive() else (0, 0)
+        lib.stop_all([wh])
+    return {"namespace": ns, "pinned": {"webhook": "cpu 0", "loader": "cpu 1"},
+            "webhook_rss_kib": rss[0], "webhook_peak_rss_kib": rss[1], "runs": runs}
+
+
+def apiserver(args, kube: Kube, work: Path) -> dict:
+    ns = f"bench-whapi-{lib.rand_suffix()}"
+    kube.create_namespace(ns)
+    uid, gen = held_lease(kube, ns, "inventory")
+    ann = {"fencedlease.io/token": str(gen), "fencedlease.io/lease-uid": uid}
+    cms = f"/api/v1/namespaces/{ns}/configmaps"
+    kube.request("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
+                               "metadata": {"name": "protected", "annotations": ann,
+                                            "labels": {"fencedlease.io/lease": "inventory"}},
+                               "data": {"n": "0"}})
+    kube.request("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
+                               "metadata": {"name": "plain", "annotations": ann}, "data": {"n": "0"}})
+    wh, port, mport, bundle = lib.start_webhook("webhook-apiserver", work / "logs", work / "certs")
+    name = f"fencedlease-bench-{ns}"
+    lib.register_webhook(kube, name, port, bundle, ns)
+    lib.wait_webhook_effective(kube, ns)
+    step(f"webhook through the API server: {args.updates} updates each of a protected and a plain "
+         f"ConfigMap, interleaved (+{args.updates_warmup} warm-up)")
+    lat = {"protected": [], "plain": []}
+    bad = 0
+    before = lib.http_get(mport, "/metrics")
+    try:
+        for i in range(args.updates_warmup + args.updates):
+            for which in ("protected", "plain") if i % 2 == 0 else ("plain", "protected"):
+                patch = {"metadata": {"annotations": ann}, "data": {"n": str(i)}}
+                status, ns_elapsed = kube.timed("PATCH", f"{cms}/{which}", patch,
+                                                "application/merge-patch+json")
+                if status != 200:
+                    bad += 1
+                if i >= args.updates_warmup:
+                    lat[which].append(ns_elapsed / 1e6)
+            if i and i % 500 == 0:
+                log(f"  {i} updates of each")
+        after = lib.http_get(mport, "/metrics")
+    finally:
+        kube.request("DELETE",
+                     f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}",
+                     ok=(200, 404))
+        lib.stop_all([wh])
+    allowed = (lib.metric_values(after, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0)
+               - lib.metric_values(before, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0))
+    sp, sl = stats(lat["protected"]), stats(lat["plain"])
+    res = {"namespace": ns, "updates_each": args.updates, "non_200": bad,
+           "webhook_allowed_reviews": allowed,
+           "protected_ms": sp, "plain_ms": sl,
+           "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")}}
+    log(f"  protected p50 {sp['p50']:.2f} ms p99 {sp['p99']:.2f} ms; plain p50 {sl['p50']:.2f} ms "
+        f"p99 {sl['p99']:.2f} ms; added p50 {res['added_ms']['p50']:.2f} ms p99 {res['added_ms']['p99']:.2f} ms")
+    if bad:
+        raise SystemExit(f"{bad} updates were not answered 200")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["server", "apiserver"])
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--warmup", type=float, default=3)
+    ap.add_argument("--rates", type=float, nargs="*", default=[1000, 5000])
+    ap.add_argument("--connections-closed", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each open-loop rate")
+    ap.add_argument("--updates", type=int, default=1000)
+    ap.add_argument("--updates-warmup", type=int, default=50)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    kube = Kube()
+    lib.install_crd()
+    work = lib.WORK / f"webhook-{args.part}-{lib.rand_suffix()}"
+    started = time.monotonic()
+    data = server(args, kube, work) if args.part == "server" else apiserver(args, kube, work)
+    data.update({"benchmark": f"webhook-{args.part}", "wall_s": time.monotonic() - started})
+    lib.write_result(args.out, f"webhook-{args.part}", data)
+
+
+if __name__ == "__main__":
+    main()

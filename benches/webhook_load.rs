@@ -1,0 +1,317 @@
+//! A small HTTPS load generator for the webhook server alone (issue 9, item 5): POSTs one
+//! AdmissionReview body to `/validate` over keep-alive HTTP/1.1 connections and records the
+//! latency of every request. Driven by `bench/run.sh webhook-server`; without arguments (as in a
+//! plain `cargo bench`) it prints its usage and exits 0.
+//!
+//! One OS thread per connection (blocking rustls), so that pacing uses the OS timer.
+//!
+//! Two modes:
+//! - `--rate R`: open loop. Request i is due at start + i/R; latency is counted from when it was
+//!   due (so a stalled server cannot hide its queue: no coordinated omission), and also from
+//!   when it was actually sent (`service_*`).
+//! - no `--rate`: closed loop. Each of `--connections` connections sends its next request as
+//!   soon as the previous answer arrived: the server's maximum throughput.
+//!
+//! Output: one JSON object on stdout (and in `--out F`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use std::io::{Read, Write};
+
+struct Args {
+    addr: String,
+    path: String,
+    ca: String,
+    body: String,
+    seconds: f64,
+    warmup: f64,
+    rate: Option<f64>,
+    connections: usize,
+    out: Option<String>,
+}
+
+const USAGE: &str =
+    "usage: webhook_load --url https://127.0.0.1:PORT/validate --ca CA.pem --body REVIEW.json \
+[--seconds 10] [--warmup 2] [--rate R] [--connections 16] [--out F.json]";
+
+fn parse_args() -> Result<Option<Args>, String> {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if !raw.iter().any(|a| a == "--url") {
+        return Ok(None);
+    }
+    let mut a = Args {
+        addr: String::new(),
+        path: String::new(),
+        ca: String::new(),
+        body: String::new(),
+        seconds: 10.0,
+        warmup: 2.0,
+        rate: None,
+        connections: 16,
+        out: None,
+    };
+    let mut it = raw.into_iter();
+    while let Some(flag) = it.next() {
+        if flag == "--bench" {
+            continue; // cargo bench passes it
+        }
+        let v = it.next().ok_or(format!("{flag} needs a value"))?;
+        let num = |v: &str| v.parse::<f64>().map_err(|e| format!("{flag}: {e}"));
+        match flag.as_str() {
+            "--url" => {
+                let rest = v
+                    .strip_prefix("https://")
+                    .ok_or("--url must start with https://")?;
+                let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+                a.addr = host.to_string();
+                a.path = format!("/{path}");
+            }
+            "--ca" => a.ca = v,
+            "--body" => a.body = v,
+            "--seconds" => a.seconds = num(&v)?,
+            "--warmup" => a.warmup = num(&v)?,
+            "--rate" => a.rate = Some(num(&v)?),
+            "--connections" => a.connections = num(&v)? as usize,
+            "--out" => a.out = Some(v),
+            _ => return Err(format!("unknown flag {flag}")),
+        }
+    }
+    if a.ca.is_empty() || a.body.is_empty() || a.connections == 0 {
+        return Err(USAGE.into());
+    }
+    Ok(Some(a))
+}
+
+/// One request's outcome: (due offset, sent offset, done offset) in ns since start, ok?
+type Sample = (u64, u64, u64, bool);
+
+struct Conn {
+    tls: rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>,
+    buf: Vec<u8>,
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+fn connect(addr: &str, cfg: &Arc<rustls::ClientConfig>) -> Result<Conn, Error> {
+    let tcp = std::net::TcpStream::connect(addr)?;
+    tcp.set_nodelay(true)?;
+    let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr);
+    let name = ServerName::try_from(host.to_string())?;
+    let conn = rustls::ClientConnection::new(cfg.clone(), name)?;
+    Ok(Conn {
+        tls: rustls::StreamOwned::new(conn, tcp),
+        buf: Vec::with_capacity(8192),
+    })
+}
+
+fn find(h: &[u8], needle: &[u8]) -> Option<usize> {
+    h.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Sends one request and reads one response; Ok(true) if it was 200 and allowed.
+fn roundtrip(c: &mut Conn, request: &[u8]) -> std::io::Result<bool> {
+    c.tls.write_all(request)?;
+    c.tls.flush()?;
+    c.buf.clear();
+    let mut chunk = [0u8; 8192];
+    loop {
+        if let Some(end) = find(&c.buf, b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&c.buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .ok_or_else(|| std::io::Error::other("response without content-length"))?;
+            while c.buf.len() < end + 4 + len {
+                let n = c.tls.read(&mut chunk)?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                c.buf.extend_from_slice(&chunk[..n]);
+            }
+            let ok = head.starts_with("http/1.1 200")
+                && find(&c.buf[end + 4..end + 4 + len], b"\"allowed\":true").is_some();
+            return Ok(ok);
+        }
+        let n = c.tls.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        c.buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn pct(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p / 100.0 * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)] as f64 / 1000.0
+}
+
+fn summary(mut v: Vec<u64>) -> serde_json::Value {
+    v.sort_unstable();
+    let mean = if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().map(|x| *x as f64).sum::<f64>() / v.len() as f64 / 1000.0
+    };
+    serde_json::json!({
+        "p50_us": pct(&v, 50.0), "p90_us": pct(&v, 90.0), "p99_us": pct(&v, 99.0),
+        "p999_us": pct(&v, 99.9), "max_us": pct(&v, 100.0), "mean_us": mean,
+    })
+}
+
+fn main() -> std::process::ExitCode {
+    let args = match parse_args() {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            eprintln!("webhook_load: nothing to do without --url ({USAGE}); bench/run.sh webhook-server drives it");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("webhook_load: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("webhook_load: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Sleeps until `at` with the OS timer (tens of microseconds late at most, unlike a 1 ms
+/// timer wheel), so that the open loop sends on time.
+fn sleep_until(at: Instant) {
+    let now = Instant::now();
+    if at > now {
+        std::thread::sleep(at - now);
+    }
+}
+
+fn run(args: Args) -> Result<(), Error> {
+    let ca = std::fs::read(&args.ca)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&ca) {
+        roots.add(c?)?;
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let cfg = Arc::new(cfg);
+    let body = std::fs::read(&args.body)?;
+    let mut request = format!(
+        "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\n\r\n",
+        args.path,
+        args.addr,
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(&body);
+    let request = Arc::new(request);
+
+    // Connect everything first (one thread per connection), and check an answer says allowed.
+    let mut conns = Vec::new();
+    for _ in 0..args.connections {
+        let mut c = connect(&args.addr, &cfg)?;
+        if !roundtrip(&mut c, &request)? {
+            return Err(
+                "the webhook did not answer 200 with allowed=true to the body given".into(),
+            );
+        }
+        conns.push(c);
+    }
+
+    let start = Instant::now() + Duration::from_millis(50);
+    let warmup_ns = (args.warmup * 1e9) as u64;
+    let end_ns = warmup_ns + (args.seconds * 1e9) as u64;
+    let next = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for mut c in conns {
+        let request = request.clone();
+        let next = next.clone();
+        let rate = args.rate;
+        threads.push(std::thread::spawn(move || {
+            let mut samples: Vec<Sample> = Vec::with_capacity(1 << 16);
+            let mut errors = 0u64;
+            sleep_until(start);
+            loop {
+                let due = match rate {
+                    Some(r) => {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let due = (i as f64 / r * 1e9) as u64;
+                        if due >= end_ns {
+                            break;
+                        }
+                        sleep_until(start + Duration::from_nanos(due));
+                        due
+                    }
+                    None => {
+                        let now = start.elapsed().as_nanos() as u64;
+                        if now >= end_ns {
+                            break;
+                        }
+                        now
+                    }
+                };
+                let sent = start.elapsed().as_nanos() as u64;
+                match roundtrip(&mut c, &request) {
+                    Ok(ok) => {
+                        let done = start.elapsed().as_nanos() as u64;
+                        samples.push((due, sent, done, ok));
+                    }
+                    Err(_) => {
+                        errors += 1;
+                        break; // a broken connection ends this worker
+                    }
+                }
+            }
+            (samples, errors)
+        }));
+    }
+    let mut all: Vec<Sample> = Vec::new();
+    let mut errors = 0;
+    for t in threads {
+        let (s, e) = t.join().map_err(|_| "a load thread panicked")?;
+        all.extend(s);
+        errors += e;
+    }
+    let measured: Vec<&Sample> = all.iter().filter(|s| s.0 >= warmup_ns).collect();
+    let not_allowed = measured.iter().filter(|s| !s.3).count();
+    let from_due: Vec<u64> = measured.iter().map(|s| s.2 - s.0).collect();
+    let service: Vec<u64> = measured.iter().map(|s| s.2 - s.1).collect();
+    let first = measured.iter().map(|s| s.1).min().unwrap_or(0);
+    let last = measured.iter().map(|s| s.2).max().unwrap_or(0);
+    let span_s = (last.saturating_sub(first)) as f64 / 1e9;
+    let out = serde_json::json!({
+        "mode": if args.rate.is_some() { "open_loop" } else { "closed_loop" },
+        "target_rps": args.rate,
+        "connections": args.connections,
+        "body_bytes": body.len(),
+        "seconds": args.seconds,
+        "warmup_seconds": args.warmup,
+        "requests": measured.len(),
+        "not_allowed": not_allowed,
+        "errors": errors,
+        "achieved_rps": if span_s > 0.0 { measured.len() as f64 / span_s } else { 0.0 },
+        "latency": summary(from_due),
+        "service_latency": summary(service),
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    println!("{text}");
+    if let Some(p) = &args.out {
+        std::fs::write(p, text)?;
+    }
+    Ok(())
+}
