@@ -747,19 +747,27 @@ fn objects_of_release(release: &str) -> Vec<String> {
             .join(",")
     });
     let selector = format!("app.kubernetes.io/instance={release}");
+    // Objects already being deleted (deletionTimestamp set) count as gone: on a cluster with a
+    // node, kubelet may take a while to finish a pod's deletion after uninstall handed it over.
     let (ok, out, err) = kubectl(&[
         "get",
         kinds,
         "--all-namespaces",
         "-l",
         &selector,
+        "--no-headers",
         "-o",
-        "name",
+        "custom-columns=KIND:.kind,NAME:.metadata.name,DELETING:.metadata.deletionTimestamp",
     ]);
     assert!(ok, "listing objects of release {release}: {err}");
     out.lines()
-        .map(str::to_string)
-        .filter(|l| !l.trim().is_empty())
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            match cols.as_slice() {
+                [kind, name, "<none>"] => Some(format!("{}/{name}", kind.to_lowercase())),
+                _ => None,
+            }
+        })
         .collect()
 }
 
