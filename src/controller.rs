@@ -11,10 +11,12 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -25,6 +27,7 @@ use crate::api::{Condition, FencedLease};
 use crate::lease::elector::{activity_of, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{controller_decision, ControllerAction, Observation, Timing};
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
+use crate::pods::{PodIndex, ROLE_LABEL};
 
 pub const FIELD_MANAGER: &str = "fencedlease-controller";
 
@@ -59,6 +62,12 @@ pub struct ControllerArgs {
     /// Webhook configurations (validating or mutating) whose caBundle to keep in step.
     #[arg(long, value_delimiter = ',')]
     pub webhook_configurations: Vec<String>,
+    /// At most this many leases are reconciled at once. Bounds memory and the burst of
+    /// requests after a restart with many leases; expiries are still noticed on time because a
+    /// reconcile makes at most a few requests.
+    #[arg(long, env = "FENCEDLEASE_CONCURRENCY", default_value_t = 16,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: u16,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +107,8 @@ pub struct Context {
     pub metrics: ControllerMetrics,
     origin: Instant,
     seen: Mutex<HashMap<String, Seen>>,
+    /// Pods that belong to leases, fed by a metadata watch (see `crate::pods`).
+    pods: Mutex<PodIndex>,
 }
 
 impl Context {
@@ -115,6 +126,7 @@ impl Context {
             metrics,
             origin: Instant::now(),
             seen: Mutex::new(HashMap::new()),
+            pods: Mutex::new(PodIndex::default()),
         }
     }
 }
@@ -219,12 +231,8 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
         );
         prev.map(|p| (p.holder, p.preferred, obs))
     };
-    if previous
-        .as_ref()
-        .is_none_or(|(prev_holder, _, _)| *prev_holder != holder)
-    {
-        move_leader_label(ctx, &ns, &lease.name_any(), holder.as_deref()).await?;
-    }
+    // Level-triggered: costs no request unless a label is wrong.
+    move_leader_label(ctx, &ns, &lease.name_any(), holder.as_deref()).await?;
     let revoked_here = {
         let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.get(&k)
@@ -324,40 +332,31 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
     }
 }
 
-/// Label on the pod that holds a lease (for Services that select the leader).
-pub const ROLE_LABEL: &str = "fencedlease.io/role";
-
 /// Moves the `fencedlease.io/role: leader` label to the holder's pod, if the holder is a pod of
 /// this lease (annotated `fencedlease.io/lease: <lease>`): the old holder's label comes off
-/// first, so that two pods never carry it at once.
+/// first, so that two pods never carry it at once. Decided from the pod index; a request is made
+/// only for a label that has to change. Until the index has listed every pod it does nothing
+/// (the complete list then brings every lease with pods back here).
 async fn move_leader_label(
     ctx: &Context,
     ns: &str,
     lease: &str,
     holder: Option<&str>,
 ) -> Result<(), Error> {
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let of_lease = |p: &Pod| {
-        p.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(crate::webhook::inject::LEASE_ANNOTATION))
-            .is_some_and(|l| l == lease)
+    let plan = {
+        let index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
+        index.plan(ns, lease, holder)
     };
-    let labelled = pods
-        .list(&ListParams::default().labels(&format!("{ROLE_LABEL}=leader")))
-        .await?;
-    for p in labelled.items.iter().filter(|p| of_lease(p)) {
-        if Some(p.name_any().as_str()) == holder {
-            continue;
-        }
-        let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: null}}});
+    let Some(plan) = plan.filter(|p| !p.is_empty()) else {
+        return Ok(());
+    };
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let patch = |value: Option<&str>| {
+        Patch::Merge(serde_json::json!({"metadata": {"labels": {ROLE_LABEL: value}}}))
+    };
+    for name in &plan.unlabel {
         match pods
-            .patch(
-                &p.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
+            .patch(name, &PatchParams::default(), &patch(None))
             .await
         {
             Ok(_) => {}
@@ -365,16 +364,15 @@ async fn move_leader_label(
             Err(e) => return Err(e.into()),
         }
     }
-    let Some(h) = holder else { return Ok(()) };
-    match pods.get_opt(h).await? {
-        Some(p)
-            if of_lease(&p) && p.labels().get(ROLE_LABEL).map(String::as_str) != Some("leader") =>
+    if let Some(name) = &plan.label {
+        match pods
+            .patch(name, &PatchParams::default(), &patch(Some("leader")))
+            .await
         {
-            let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: "leader"}}});
-            pods.patch(h, &PatchParams::default(), &Patch::Merge(&patch))
-                .await?;
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e.into()),
         }
-        _ => {}
     }
     Ok(())
 }
@@ -568,6 +566,64 @@ async fn publish(
     }
 }
 
+/// FencedLeases as the controller caches them: without managedFields, which are most of a
+/// lease's size in memory and never read here. (A replace made from a cached lease keeps the
+/// server's managedFields: an update without them leaves them as they are.)
+fn lease_stream(
+    client: &Client,
+    namespace: Option<&str>,
+    writer: reflector::store::Writer<FencedLease>,
+) -> impl futures::Stream<Item = Result<FencedLease, watcher::Error>> + Send + 'static {
+    let api: Api<FencedLease> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .modify(|l: &mut FencedLease| l.metadata.managed_fields = None)
+        .reflect(writer)
+        .applied_objects()
+}
+
+/// Reconcile requests for the leases whose pods changed, from one metadata-only watch of pods
+/// that also keeps `ctx.pods` current.
+fn pod_triggers(
+    client: &Client,
+    namespace: Option<&str>,
+    ctx: Arc<Context>,
+) -> impl futures::Stream<Item = ObjectRef<FencedLease>> + Send + 'static {
+    // Metadata only: what the index reads, not the pods' specs and statuses.
+    let api: Api<PartialObjectMeta<Pod>> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .modify(crate::pods::slim)
+        .filter_map(move |event| {
+            let ctx = ctx.clone();
+            async move {
+                match event {
+                    Ok(event) => {
+                        let leases = ctx
+                            .pods
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .apply(&event);
+                        Some(futures::stream::iter(leases.into_iter().map(
+                            |(ns, name)| ObjectRef::<FencedLease>::new(&name).within(&ns),
+                        )))
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "watching pods failed; retrying");
+                        None
+                    }
+                }
+            }
+        })
+        .flatten()
+}
+
 pub fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>) -> Action {
     match error {
         Error::Kube(kube::Error::Api(s)) if s.code == 409 => {
@@ -666,11 +722,13 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             "this replica is the active controller"
         );
         ctx.metrics.leading.set(1);
-        let api: Api<FencedLease> = match &args.namespace {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        };
-        let controller = Controller::new(api, watcher::Config::default().any_semantic())
+        // A fresh cache and pod index for every term: what an earlier term saw may be old.
+        *ctx.pods.lock().unwrap_or_else(|p| p.into_inner()) = PodIndex::default();
+        let (reader, writer) = reflector::store::<FencedLease>();
+        let namespace = args.namespace.as_deref();
+        let controller = Controller::for_stream(lease_stream(&client, namespace, writer), reader)
+            .reconcile_on(pod_triggers(&client, namespace, ctx.clone()))
+            .with_config(controller::Config::default().concurrency(args.concurrency))
             .shutdown_on_signal()
             .run(reconcile, error_policy, ctx.clone())
             .for_each(|res| async move {

@@ -14,6 +14,7 @@ pub mod crdgen;
 pub mod fencing;
 pub mod lease;
 pub mod metrics;
+pub mod pods;
 pub mod proxy;
 pub mod sidecar;
 pub mod webhook;

@@ -75,6 +75,61 @@ async fn the_leader_label_follows_the_lease_from_pod_to_pod() {
     }
 }
 
+/// The label is level-triggered from the controller's pod watch: a holder's pod that appears
+/// after it acquired gets the label, and a label put by hand on a pod that does not hold the
+/// lease comes off, without any change to the lease.
+#[tokio::test]
+async fn the_leader_label_is_corrected_when_pods_change() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "label-level").await;
+    let dir = scratch_dir("label-level");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let _ctl = controller(&dir, &ns.name, "controller-0");
+    // pod-c holds the lease before any pod of that name exists.
+    let _c = campaign(&dir, &ns.name, "db", "pod-c", 30);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    pods.create(&PostParams::default(), &stored_pod("pod-c"))
+        .await
+        .expect("pod");
+    let labelled = eventually(Duration::from_secs(10), "pod-c labelled leader", || async {
+        let l = leaders(&pods.list(&Default::default()).await.ok()?.items);
+        (l == ["pod-c"]).then_some(l)
+    })
+    .await;
+    assert_eq!(labelled, ["pod-c"]);
+    // A stray label on a pod of the same lease that does not hold it.
+    let mut stray = stored_pod("pod-x");
+    stray.metadata.labels =
+        Some([("fencedlease.io/role".to_string(), "leader".to_string())].into());
+    pods.create(&PostParams::default(), &stray)
+        .await
+        .expect("pod");
+    let after = eventually(
+        Duration::from_secs(10),
+        "the stray label removed",
+        || async {
+            let l = leaders(&pods.list(&Default::default()).await.ok()?.items);
+            (l == ["pod-c"]).then_some(l)
+        },
+    )
+    .await;
+    assert_eq!(after, ["pod-c"]);
+    // A pod of another lease keeps its label: it is not ours to judge.
+    let mut other = stored_pod("pod-q");
+    other.metadata.annotations =
+        Some([("fencedlease.io/lease".to_string(), "queue".to_string())].into());
+    other.metadata.labels =
+        Some([("fencedlease.io/role".to_string(), "leader".to_string())].into());
+    pods.create(&PostParams::default(), &other)
+        .await
+        .expect("pod");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut l = leaders(&pods.list(&Default::default()).await.expect("list").items);
+    l.sort();
+    assert_eq!(l, ["pod-c", "pod-q"]);
+}
+
 #[tokio::test]
 async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundle() {
     let client = client().await;

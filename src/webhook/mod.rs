@@ -341,7 +341,9 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let leases: Api<FencedLease> = Api::all(client.clone());
     let reflect = reflector::reflector(
         writer,
-        watcher(leases, watcher::Config::default().any_semantic()),
+        // managedFields are most of a cached lease's size and never read here.
+        watcher(leases, watcher::Config::default().any_semantic())
+            .modify(|l: &mut FencedLease| l.metadata.managed_fields = None),
     )
     .default_backoff()
     .for_each(|ev| async move {
