@@ -20,8 +20,10 @@
 # from the Kubernetes source tree, see bench/build-peer.sh), starts its OWN local Kubernetes
 # (/tmp/fencedlease-bench-cluster, apiserver on 127.0.0.1:36443: not the tests' instance), and
 # stops it again at the end, with every process it started. Results: bench/results/<mode>-<time>/
-# (one JSON per benchmark, summary.json, tables.md, plots/); a full run also refreshes
-# bench/results/summary-full.json and bench/plots/*.svg.
+# (one JSON per benchmark, summary.json, tables.md, plots/). A full run in which every benchmark
+# it ran succeeded also folds them into the record, bench/results/full-record/ (bench/record.py:
+# each benchmark from the newest full run that ran it), and refreshes
+# bench/results/summary-full.json and bench/plots/*.svg from the record.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
@@ -169,15 +171,20 @@ done
 python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
   "$HERE" >"$OUT/machine-after.json"
 log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-PLOTS="$OUT/plots"
-[ "$MODE" = full ] && PLOTS="$HERE/plots"
-python3 "$HERE/report.py" "$OUT" --plots "$PLOTS" --criterion "$OUT/criterion" >"$OUT/report.log"
+python3 "$HERE/report.py" "$OUT" --plots "$OUT/plots" --criterion "$OUT/criterion" >"$OUT/report.log"
 cat "$OUT/tables.md" >&2
-if [ "$MODE" = full ]; then
-  cp "$OUT/summary.json" "$HERE/results/summary-full.json"
-  log "recorded: bench/results/summary-full.json and bench/plots/"
-fi
 if [ ${#FAILED[@]} -gt 0 ]; then
-  die "these benchmarks failed: ${FAILED[*]} (logs: $OUT, $FL_BENCH_WORK)"
+  die "these benchmarks failed: ${FAILED[*]} (logs: $OUT, $FL_BENCH_WORK); the record is unchanged"
+fi
+if [ "$MODE" = full ]; then
+  # The record: each benchmark from the newest full run that ran it (a run of a few benchmarks
+  # replaces only theirs).
+  RECORD="$HERE/results/full-record"
+  python3 "$HERE/record.py" "$OUT" "${NAMES[@]}" --record "$RECORD" \
+    --command "bench/run.sh --full ${NAMES[*]}" >&2
+  python3 "$HERE/report.py" "$RECORD" --plots "$HERE/plots" --criterion "$RECORD/criterion" \
+    >"$OUT/record-report.log"
+  cp "$RECORD/summary.json" "$HERE/results/summary-full.json"
+  log "recorded: bench/results/full-record/, summary-full.json, tables.md and bench/plots/"
 fi
 log "all benchmarks ran ($MODE); results in $OUT"
