@@ -204,14 +204,23 @@ def main() -> None:
     d = load(run, "webhook-apiserver")
     if d:
         summary["webhook_apiserver"] = {k: d[k] for k in ("updates_each", "protected_ms", "plain_ms", "added_ms")}
-        p, q, a = d["protected_ms"], d["plain_ms"], d["added_ms"]
+        runs = d.get("runs") or [{k: d[k] for k in ("protected_ms", "plain_ms", "added_ms")}]
+        summary["webhook_apiserver"]["runs_added_ms"] = [{q: r3(r["added_ms"][q]) for q in ("p50", "p99")}
+                                                         for r in runs]
         md.append("\n### Protected ConfigMap update through the API server (ms)\n")
-        md.append("| | n | p50 | p90 | p99 | mean |\n|---|---|---|---|---|---|")
-        md.append(f"| with the webhook (labelled) | {p['n']} | {p['p50']:.2f} | {p['p90']:.2f} | {p['p99']:.2f} | {p['mean']:.2f} |")
-        md.append(f"| without (unlabelled, not sent) | {q['n']} | {q['p50']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} | {q['mean']:.2f} |")
-        md.append(f"| added | | {a['p50']:.2f} | {a['p90']:.2f} | {a['p99']:.2f} | {a['mean']:.2f} |")
+        md.append("| run | | n | p50 | p90 | p99 | mean |\n|---|---|---|---|---|---|---|")
+        for i, r in enumerate(runs, 1):
+            p, q, a = r["protected_ms"], r["plain_ms"], r["added_ms"]
+            mark = " (median)" if len(runs) > 1 and a == d["added_ms"] else ""
+            md.append(f"| {i}{mark} | with the webhook (labelled) | {p['n']} | {p['p50']:.2f} | {p['p90']:.2f} | {p['p99']:.2f} | {p['mean']:.2f} |")
+            md.append(f"| {i}{mark} | without (unlabelled, not sent) | {q['n']} | {q['p50']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} | {q['mean']:.2f} |")
+            md.append(f"| {i}{mark} | **added** | | {a['p50']:.2f} | {a['p90']:.2f} | {a['p99']:.2f} | {a['mean']:.2f} |")
+        a = d["added_ms"]
+        every = ", ".join(f"{r['added_ms']['p99']:.2f}" for r in runs)
         verdict("webhook adds < 2 ms at p99 through the API server", a["p99"] < 2.0,
-                f"added p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms")
+                f"added p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms"
+                + (f" (the median of {len(runs)} runs by added p99; every run's added p99: {every} ms)"
+                   if len(runs) > 1 else ""))
 
     # -- controller --------------------------------------------------------------------------
     d = load(run, "controller-scale")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fencedlease benchmarks, side by side with client-go's leader election (issue 9).
 #
-#   bench/run.sh [--quick|--full] [NAME...]
+#   bench/run.sh [--quick|--full] [--debug] [NAME...]
 #
 # NAMEs (default: all, in this order):
 #   decision           criterion: fencing::decide, admission parse/respond (cargo bench)
@@ -14,7 +14,9 @@
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers (for CI). --full: the sizes of the record (about 40 minutes).
+#   whatever the numbers. --full: the sizes of the record (about 40 minutes).
+# --debug (quick mode only): use the unoptimized build the test suite already made instead of a
+#   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
 # It builds what it needs (fencedlease in release mode, the bench binaries, the client-go peer
 # from the Kubernetes source tree, see bench/build-peer.sh), starts its OWN local Kubernetes
@@ -31,12 +33,14 @@ REPO="$(cd "$HERE/.." && pwd)"
 source "$REPO/hack/lib.sh"
 
 MODE=quick
+PROFILE=release
 NAMES=()
 for a in "$@"; do
   case "$a" in
     --quick) MODE=quick ;;
     --full) MODE=full ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --debug) PROFILE=debug ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     -*) die "unknown option $a (use --quick or --full)" ;;
     *) NAMES+=("$a") ;;
   esac
@@ -46,6 +50,9 @@ ALL=(decision failover-kill failover-stop failover-term apiload webhook-server w
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
 done
+if [ "$PROFILE" = debug ] && [ "$MODE" = full ]; then
+  die "--debug is for checking that the commands work (CI); the record needs release binaries: drop --debug"
+fi
 
 # Our own cluster instance, never the tests' one.
 export FENCEDLEASE_CLUSTER_DIR="${FL_BENCH_CLUSTER_DIR:-/tmp/fencedlease-bench-cluster}"
@@ -57,7 +64,7 @@ export KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="$HERE/results/$MODE-$STAMP"
 mkdir -p "$OUT" "$FL_BENCH_CACHE" "$FL_BENCH_WORK"
-log "benchmarks ($MODE): ${NAMES[*]}; results in $OUT"
+log "benchmarks ($MODE, $PROFILE build): ${NAMES[*]}; results in $OUT"
 
 command -v python3 >/dev/null || apt_install python3
 command -v curl >/dev/null || apt_install curl
@@ -65,11 +72,19 @@ command -v taskset >/dev/null || apt_install util-linux
 
 # -- build ---------------------------------------------------------------------------------------
 cd "$REPO"
-with_heartbeat "cargo build --release" "$OUT/build.log" cargo build --release
-with_heartbeat "cargo bench --no-run" "$OUT/build-benches.log" \
-  cargo bench --no-run --message-format=json
+if [ "$PROFILE" = release ]; then
+  with_heartbeat "cargo build --release" "$OUT/build.log" cargo build --release
+  with_heartbeat "cargo bench --no-run" "$OUT/build-benches.log" \
+    cargo bench --no-run --message-format=json
+else
+  # Unoptimized: what the test suite built already, so CI pays for no release build. The
+  # figures mean nothing; the commands are what is checked.
+  with_heartbeat "cargo build (debug)" "$OUT/build.log" cargo build
+  with_heartbeat "cargo build --benches (debug)" "$OUT/build-benches.log" \
+    cargo build --benches --message-format=json
+fi
 # Private copies: other builds may replace target/ while the benchmarks run.
-cp target/release/fencedlease "$FL_BENCH_CACHE/fencedlease"
+cp "target/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
 bench_exe() { # NAME: the bench executable that the build above produced
   python3 -c '
 import json, sys
@@ -122,10 +137,10 @@ if [ "$MODE" = full ]; then
   TERM_=(--lease 15 --lanes 8 --trials 25)
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
-  WHA=(--updates 1000 --updates-warmup 50)
+  WHA=(--updates 2000 --updates-warmup 50 --repeat 3)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
 else
-  CRIT=(--warm-up-time 0.1 --measurement-time 0.3)
+  CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
   FAIL=(--lease 3 --lanes 1 --trials 2)
   TERM_=(--lease 3 --lanes 1 --trials 3)
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)

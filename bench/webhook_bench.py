@@ -149,23 +149,32 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
     name = f"fencedlease-bench-{ns}"
     lib.register_webhook(kube, name, port, bundle, ns)
     lib.wait_webhook_effective(kube, ns)
-    step(f"webhook through the API server: {args.updates} updates each of a protected and a plain "
-         f"ConfigMap, interleaved (+{args.updates_warmup} warm-up)")
-    lat = {"protected": [], "plain": []}
+    runs = []
     bad = 0
     before = lib.http_get(mport, "/metrics")
     try:
-        for i in range(args.updates_warmup + args.updates):
-            for which in ("protected", "plain") if i % 2 == 0 else ("plain", "protected"):
-                patch = {"metadata": {"annotations": ann}, "data": {"n": str(i)}}
-                status, ns_elapsed = kube.timed("PATCH", f"{cms}/{which}", patch,
-                                                "application/merge-patch+json")
-                if status != 200:
-                    bad += 1
-                if i >= args.updates_warmup:
-                    lat[which].append(ns_elapsed / 1e6)
-            if i and i % 500 == 0:
-                log(f"  {i} updates of each")
+        for r in range(args.repeat):
+            step(f"webhook through the API server, run {r + 1}/{args.repeat}: {args.updates} updates "
+                 f"each of a protected and a plain ConfigMap, interleaved (+{args.updates_warmup} warm-up)")
+            lat = {"protected": [], "plain": []}
+            for i in range(args.updates_warmup + args.updates):
+                for which in ("protected", "plain") if i % 2 == 0 else ("plain", "protected"):
+                    patch = {"metadata": {"annotations": ann}, "data": {"n": f"{r}-{i}"}}
+                    status, ns_elapsed = kube.timed("PATCH", f"{cms}/{which}", patch,
+                                                    "application/merge-patch+json")
+                    if status != 200:
+                        bad += 1
+                    if i >= args.updates_warmup:
+                        lat[which].append(ns_elapsed / 1e6)
+                if i and i % 500 == 0:
+                    log(f"  {i} updates of each")
+            sp, sl = stats(lat["protected"]), stats(lat["plain"])
+            run = {"protected_ms": sp, "plain_ms": sl,
+                   "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")}}
+            runs.append(run)
+            log(f"  protected p50 {sp['p50']:.2f} ms p99 {sp['p99']:.2f} ms; plain p50 {sl['p50']:.2f} ms "
+                f"p99 {sl['p99']:.2f} ms; added p50 {run['added_ms']['p50']:.2f} ms "
+                f"p99 {run['added_ms']['p99']:.2f} ms")
         after = lib.http_get(mport, "/metrics")
     finally:
         kube.request("DELETE",
@@ -174,13 +183,13 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
         lib.stop_all([wh])
     allowed = (lib.metric_values(after, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0)
                - lib.metric_values(before, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0))
-    sp, sl = stats(lat["protected"]), stats(lat["plain"])
-    res = {"namespace": ns, "updates_each": args.updates, "non_200": bad,
-           "webhook_allowed_reviews": allowed,
-           "protected_ms": sp, "plain_ms": sl,
-           "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")}}
-    log(f"  protected p50 {sp['p50']:.2f} ms p99 {sp['p99']:.2f} ms; plain p50 {sl['p50']:.2f} ms "
-        f"p99 {sl['p99']:.2f} ms; added p50 {res['added_ms']['p50']:.2f} ms p99 {res['added_ms']['p99']:.2f} ms")
+    # The p99 of each side swings with the machine between runs of the same command; the run
+    # with the median added p99 is the one reported (all runs are kept).
+    median = sorted(runs, key=lambda x: x["added_ms"]["p99"])[len(runs) // 2]
+    res = {"namespace": ns, "updates_each": args.updates, "repeat": args.repeat, "non_200": bad,
+           "webhook_allowed_reviews": allowed, "runs": runs,
+           "protected_ms": median["protected_ms"], "plain_ms": median["plain_ms"],
+           "added_ms": median["added_ms"]}
     if bad:
         raise SystemExit(f"{bad} updates were not answered 200")
     return res

@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use kube::core::{DynamicObject, Status};
+use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
+use kube::core::{DynamicObject, Status, TypeMeta};
+use serde::Deserialize;
 
 use crate::fencing::{
     decide, LeaseView, Mode, Refusal, Verdict, WriteAttempt, LEASE_LABEL, LEASE_UID_ANNOTATION,
@@ -60,15 +61,55 @@ pub fn unreadable(reason: &str) -> AdmissionReview<DynamicObject> {
     .into_review()
 }
 
-fn annotations(o: &DynamicObject) -> Option<&BTreeMap<String, String>> {
-    o.metadata.annotations.as_ref()
+/// The parts of an AdmissionReview that the fencing decision reads. Everything else (the
+/// objects' data, spec, status and managedFields, the user info) is skipped by the parser without
+/// being built: reading the review is most of the webhook's work per request.
+#[derive(Deserialize)]
+struct ReviewIn {
+    #[serde(rename = "apiVersion", default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    request: Option<RequestIn>,
 }
 
-fn annotation<'a>(o: &'a DynamicObject, key: &str) -> Option<&'a str> {
-    annotations(o).and_then(|a| a.get(key)).map(String::as_str)
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RequestIn {
+    uid: String,
+    operation: Operation,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    object: Option<ObjectIn>,
+    #[serde(default)]
+    old_object: Option<ObjectIn>,
 }
 
-fn label<'a>(o: &'a DynamicObject, key: &str) -> Option<&'a str> {
+#[derive(Deserialize, Default)]
+struct ObjectIn {
+    #[serde(default)]
+    metadata: MetaIn,
+}
+
+#[derive(Deserialize, Default)]
+struct MetaIn {
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+fn annotation<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
+    o.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
+}
+
+fn label<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
     o.metadata
         .labels
         .as_ref()
@@ -77,18 +118,34 @@ fn label<'a>(o: &'a DynamicObject, key: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
+/// An allowing answer to the request `uid`, in the review version the API server sent.
+fn allowing(api_version: &str, uid: &str) -> AdmissionResponse {
+    let mut r = AdmissionResponse::invalid("");
+    r.types = TypeMeta {
+        api_version: api_version.to_string(),
+        kind: "AdmissionReview".to_string(),
+    };
+    r.uid = uid.to_string();
+    r.allowed = true;
+    r.result = Status::default();
+    r
+}
+
 /// Parses a request body into what must be decided, or the review to answer at once.
 pub fn parse(body: &[u8]) -> Parsed {
     let invalid = |r: AdmissionReview<DynamicObject>| Parsed::Invalid(Box::new(r));
-    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+    let review: ReviewIn = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return invalid(unreadable(&e.to_string())),
     };
-    let req: AdmissionRequest<DynamicObject> = match review.try_into() {
-        Ok(r) => r,
-        Err(_) => return invalid(unreadable("it has no request")),
+    let Some(req) = review.request else {
+        return invalid(unreadable("it has no request"));
     };
-    let response = AdmissionResponse::from(&req);
+    let api_version = review
+        .api_version
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "admission.k8s.io/v1".to_string());
+    let response = allowing(&api_version, &req.uid);
     if req.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
         return Parsed::Pass(Box::new(response), "subresource");
     }
@@ -98,7 +155,7 @@ pub fn parse(body: &[u8]) -> Parsed {
     };
     let Some(new) = new else {
         return invalid(
-            AdmissionResponse::from(&req)
+            response
                 .deny("fencedlease: a create or update without an object")
                 .into_review(),
         );
@@ -114,13 +171,11 @@ pub fn parse(body: &[u8]) -> Parsed {
         let msg = format!(
             "fencedlease: only namespaced objects can be protected (label {LEASE_LABEL} on a cluster-scoped object)"
         );
-        return invalid(AdmissionResponse::from(&req).deny(msg).into_review());
+        return invalid(response.deny(msg).into_review());
     };
     // The stored object's mode decides, so a stale writer cannot switch enforcement off.
     let mode_source = old.unwrap_or(new);
     Parsed::Judge(Box::new(Judgement {
-        response,
-        namespace,
         lease_name: lease_name.to_string(),
         token: annotation(new, TOKEN_ANNOTATION).map(str::to_string),
         lease_uid: annotation(new, LEASE_UID_ANNOTATION).map(str::to_string),
@@ -131,6 +186,8 @@ pub fn parse(body: &[u8]) -> Parsed {
             )
         }),
         mode: Mode::from_annotation(annotation(mode_source, MODE_ANNOTATION)),
+        response,
+        namespace,
     }))
 }
 
@@ -277,6 +334,34 @@ mod tests {
         assert!(resp
             .warnings
             .is_some_and(|w| w[0].contains("stale token 3")));
+    }
+
+    #[test]
+    fn the_answer_speaks_the_review_version_and_echoes_the_uid() {
+        let new = cm(
+            serde_json::json!({LEASE_LABEL: "inv"}),
+            serde_json::json!({TOKEN_ANNOTATION: "3", LEASE_UID_ANNOTATION: "u"}),
+        );
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&review("CREATE", new, None)).expect("json");
+        v["apiVersion"] = "admission.k8s.io/v1beta1".into();
+        // What the decision does not read may be anything: data, managedFields, user info.
+        v["request"]["object"]["data"] = serde_json::json!({"big": "x".repeat(4096)});
+        v["request"]["object"]["metadata"]["managedFields"] =
+            serde_json::json!([{"manager": "m", "fieldsV1": {"f:data": {}}}]);
+        v["request"]["userInfo"] = serde_json::json!({"username": "u", "extra": {"a": ["b"]}});
+        let j = judge(&serde_json::to_vec(&v).expect("json"));
+        let out = serde_json::to_value(j.response.clone().into_review()).expect("json");
+        assert_eq!(out["apiVersion"], "admission.k8s.io/v1beta1");
+        assert_eq!(out["kind"], "AdmissionReview");
+        assert_eq!(out["response"]["uid"], "req-1");
+        assert_eq!(out["response"]["allowed"], true);
+        // Wrong types in what it does read are refused, not guessed at.
+        v["request"]["object"]["metadata"]["labels"] = serde_json::json!({LEASE_LABEL: 7});
+        assert!(matches!(
+            parse(&serde_json::to_vec(&v).expect("json")),
+            Parsed::Invalid(_)
+        ));
     }
 
     #[test]
