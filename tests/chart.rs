@@ -10,71 +10,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::helm::{chart, chart_dir, helm, helm_ok, Release};
 use common::{client, ensure_crd, kubectl, TestNamespace};
 use serde_json::Value;
 
 const CRD_FILE: &str = "crds/fencedleases.fencedlease.io.yaml";
 
-fn chart_dir() -> PathBuf {
-    common::repo_root().join("charts/fencedlease")
-}
-
-fn chart() -> String {
-    chart_dir().to_str().expect("utf-8 path").to_string()
-}
-
-/// The helm binary, from `hack/helm.sh` (once per test binary).
-fn helm_path() -> &'static Path {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = common::repo_root().join("hack/helm.sh");
-        let out = Command::new(&script)
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "hack/helm.sh could not provide helm ({}):\n{stderr}",
-            out.status
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let path = PathBuf::from(stdout.trim());
-        assert!(
-            path.is_file(),
-            "hack/helm.sh printed {:?}, which is not a file; its stderr:\n{stderr}",
-            stdout.trim()
-        );
-        path
-    })
-}
-
-/// Runs helm against the test cluster; returns (success, stdout, stderr).
-fn helm(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm_path())
-        .env("KUBECONFIG", common::kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running helm");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Runs helm and panics with its output unless it succeeds; returns stdout.
-fn helm_ok(args: &[&str]) -> String {
-    let (ok, out, err) = helm(args);
-    assert!(ok, "helm {} failed:\n{err}\n{out}", args.join(" "));
-    out
-}
-
-/// Every YAML document of a multi-document stream, as JSON values (empty documents dropped).
 fn documents(yaml: &str) -> Vec<Value> {
     use serde::Deserialize;
     serde_yaml_ng::Deserializer::from_str(yaml)
@@ -122,93 +67,6 @@ fn server_has(group_version: &str) -> bool {
     let (ok, out, err) = kubectl(&["api-versions"]);
     assert!(ok, "kubectl api-versions: {err}");
     out.lines().any(|l| l.trim() == group_version)
-}
-
-/// A release of the chart for one test: a name of its own, webhook selectors that match only the
-/// test's namespace, a release-specific sidecar ClusterRole. Uninstalled when dropped (so a
-/// failing test leaves no cluster-scoped objects behind); declare it after the namespace.
-struct Release {
-    name: String,
-    namespace: String,
-    uninstalled: bool,
-}
-
-impl Release {
-    fn new(ns: &TestNamespace, prefix: &str) -> Release {
-        let suffix = ns.name.rsplit('-').next().expect("namespace suffix");
-        Release {
-            name: format!("{prefix}-{suffix}"),
-            namespace: ns.name.clone(),
-            uninstalled: false,
-        }
-    }
-
-    fn fullname(&self) -> String {
-        format!("{}-fencedlease", self.name)
-    }
-
-    fn sidecar_role(&self) -> String {
-        format!("{}-sidecar", self.name)
-    }
-
-    fn validating(&self) -> String {
-        format!("{}-fencing", self.fullname())
-    }
-
-    fn mutating(&self) -> String {
-        format!("{}-injection", self.fullname())
-    }
-
-    /// The values that keep this release to its own namespace and names.
-    fn isolation_args(&self) -> Vec<String> {
-        let selector = format!(
-            r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{}"}}}}"#,
-            self.namespace
-        );
-        vec![
-            "--namespace".into(),
-            self.namespace.clone(),
-            "--set-json".into(),
-            format!("fencing.namespaceSelector={selector}"),
-            "--set-json".into(),
-            format!("injection.namespaceSelector={selector}"),
-            "--set".into(),
-            format!("sidecarRole.name={}", self.sidecar_role()),
-        ]
-    }
-
-    /// `helm SUBCOMMAND RELEASE CHART <isolation> EXTRA...`
-    fn args(&self, subcommand: &str, extra: &[&str]) -> Vec<String> {
-        let mut args = vec![subcommand.to_string(), self.name.clone(), chart()];
-        args.extend(self.isolation_args());
-        args.extend(extra.iter().map(|s| s.to_string()));
-        args
-    }
-
-    fn run(&self, subcommand: &str, extra: &[&str]) -> String {
-        let args = self.args(subcommand, extra);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        helm_ok(&args)
-    }
-
-    fn uninstall(&mut self) {
-        helm_ok(&["uninstall", &self.name, "--namespace", &self.namespace]);
-        self.uninstalled = true;
-    }
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        if !self.uninstalled {
-            let _ = helm(&[
-                "uninstall",
-                &self.name,
-                "--namespace",
-                &self.namespace,
-                "--ignore-not-found",
-            ]);
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

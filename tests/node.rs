@@ -36,6 +36,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use common::helm::Release;
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use fencedlease::api::FencedLease;
 use futures::StreamExt;
@@ -309,131 +310,6 @@ fn describe(pods: &[Pod]) -> String {
 // ---------------------------------------------------------------------------------------------
 // helm and a release of the chart
 
-fn helm_path() -> &'static Path {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let script = common::repo_root().join("hack/helm.sh");
-        let out = Command::new(&script)
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "hack/helm.sh could not provide helm ({}):\n{stderr}",
-            out.status
-        );
-        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        assert!(
-            path.is_file(),
-            "hack/helm.sh printed {path:?}, not a file:\n{stderr}"
-        );
-        path
-    })
-}
-
-fn helm(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm_path())
-        .env("KUBECONFIG", common::kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running helm");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// A release of the chart for one test, in the test's namespace: webhook namespace selectors
-/// that match only that namespace, a release-specific sidecar ClusterRole, a controller that
-/// watches only that namespace. Uninstalled when dropped.
-struct Release {
-    name: String,
-    namespace: String,
-    uninstalled: bool,
-}
-
-impl Release {
-    /// `helm install` (no --wait: the test waits itself, with better messages).
-    fn install(ns: &TestNamespace, prefix: &str, extra: &[&str]) -> Release {
-        let suffix = ns.name.rsplit('-').next().expect("namespace suffix");
-        let release = Release {
-            name: format!("{prefix}-{suffix}"),
-            namespace: ns.name.clone(),
-            uninstalled: false,
-        };
-        let selector = format!(
-            r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{}"}}}}"#,
-            ns.name
-        );
-        let chart = common::repo_root().join("charts/fencedlease");
-        let mut args: Vec<String> = vec![
-            "install".into(),
-            release.name.clone(),
-            chart.to_str().expect("utf-8 path").into(),
-            "--namespace".into(),
-            ns.name.clone(),
-            "--set".into(),
-            "image.repository=fencedlease,image.tag=0.1.0,image.pullPolicy=Never".into(),
-            "--set".into(),
-            format!("sidecarRole.name={}", release.sidecar_role()),
-            "--set".into(),
-            format!("controller.watchNamespace={}", ns.name),
-            "--set-json".into(),
-            format!("fencing.namespaceSelector={selector}"),
-            "--set-json".into(),
-            format!("injection.namespaceSelector={selector}"),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (ok, out, err) = helm(&args);
-        assert!(ok, "helm {} failed:\n{err}\n{out}", args.join(" "));
-        release
-    }
-
-    fn fullname(&self) -> String {
-        format!("{}-fencedlease", self.name)
-    }
-    fn sidecar_role(&self) -> String {
-        format!("{}-sidecar", self.name)
-    }
-    fn validating(&self) -> String {
-        format!("{}-fencing", self.fullname())
-    }
-    fn mutating(&self) -> String {
-        format!("{}-injection", self.fullname())
-    }
-    fn tls_secret(&self) -> String {
-        format!("{}-tls", self.fullname())
-    }
-    fn election_lease(&self) -> String {
-        format!("{}-controller", self.fullname())
-    }
-    fn pod_selector(&self) -> String {
-        format!("app.kubernetes.io/instance={}", self.name)
-    }
-
-    fn uninstall(&mut self) {
-        let (ok, out, err) = helm(&["uninstall", &self.name, "--namespace", &self.namespace]);
-        assert!(ok, "helm uninstall {} failed:\n{err}\n{out}", self.name);
-        self.uninstalled = true;
-    }
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        if !self.uninstalled {
-            let _ = helm(&[
-                "uninstall",
-                &self.name,
-                "--namespace",
-                &self.namespace,
-                "--ignore-not-found",
-            ]);
-        }
-    }
-}
-
 /// Labels the namespace `fencedlease.io/injection=enabled`: it opts in to sidecar injection
 /// (the chart's default injection selector, merged with the test's namespace label).
 async fn opt_in_to_injection(client: &Client, ns: &str) {
@@ -623,7 +499,7 @@ impl Injected {
         let ns = TestNamespace::new(&client, prefix).await;
         opt_in_to_injection(&client, &ns.name).await;
         // One operator replica is enough here (the helm test runs the default two).
-        let release = Release::install(&ns, "fl", &["--set", "replicas=1"]);
+        let release = Release::install_on_node(&ns, "fl", &["--set", "replicas=1"]);
         wait_operator_ready(&client, &release, 1).await;
         wait_certificate_and_ca_bundles(&client, &release).await;
         wait_injection_served(&client, &ns.name).await;
@@ -1356,7 +1232,7 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
             started.elapsed().as_secs_f64()
         )
     };
-    let mut release = Release::install(&ns, "flh", &[]);
+    let mut release = Release::install_on_node(&ns, "flh", &[]);
     let full = release.fullname();
 
     // The chart's default two operator pods run, both containers Ready.

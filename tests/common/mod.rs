@@ -14,6 +14,7 @@ use kube::api::{DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
+pub mod helm;
 pub mod procs;
 pub mod webhook;
 

@@ -109,8 +109,10 @@ pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
 pub fn campaign(dir: &Path, ns: &str, lease: &str, identity: &str, duration: u32) -> Proc {
     let events = dir.join(format!("{identity}.events"));
     let duration = duration.to_string();
-    let script = "echo \"$FENCEDLEASE_TOKEN\" >> \"$0.tokens\"; \
-                  while kill -0 $PPID 2>/dev/null; do sleep 0.1; done";
+    // Also bounded in time: if the campaign is SIGKILLed and its PID is reused, `kill -0`
+    // would keep an orphaned loop alive forever.
+    let script = "echo \"$FENCEDLEASE_TOKEN\" >> \"$0.tokens\"; i=0; \
+                  while kill -0 $PPID 2>/dev/null && [ $i -lt 3000 ]; do sleep 0.1; i=$((i+1)); done";
     let base = dir.join(identity);
     spawn_fencedlease(
         identity,

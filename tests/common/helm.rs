@@ -1,0 +1,178 @@
+//! helm for the chart tests (tests/chart.rs) and the node tests (tests/node.rs): the binary from
+//! `hack/helm.sh`, and a release of the chart that keeps to its test's namespace.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use super::TestNamespace;
+
+pub fn chart_dir() -> PathBuf {
+    super::repo_root().join("charts/fencedlease")
+}
+
+pub fn chart() -> String {
+    chart_dir().to_str().expect("utf-8 path").to_string()
+}
+
+/// The helm binary, from `hack/helm.sh` (once per test binary).
+pub fn helm_path() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| {
+        let script = super::repo_root().join("hack/helm.sh");
+        let out = Command::new(&script)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "hack/helm.sh could not provide helm ({}):\n{stderr}",
+            out.status
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let path = PathBuf::from(stdout.trim());
+        assert!(
+            path.is_file(),
+            "hack/helm.sh printed {:?}, which is not a file; its stderr:\n{stderr}",
+            stdout.trim()
+        );
+        path
+    })
+}
+
+/// Runs helm against the test cluster; returns (success, stdout, stderr).
+pub fn helm(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(helm_path())
+        .env("KUBECONFIG", super::kubeconfig_path())
+        .args(args)
+        .output()
+        .expect("running helm");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs helm and panics with its output unless it succeeds; returns stdout.
+pub fn helm_ok(args: &[&str]) -> String {
+    let (ok, out, err) = helm(args);
+    assert!(ok, "helm {} failed:\n{err}\n{out}", args.join(" "));
+    out
+}
+
+/// A release of the chart for one test: a name of its own, webhook selectors that match only the
+/// test's namespace, a release-specific sidecar ClusterRole. Uninstalled when dropped (so a
+/// failing test leaves no cluster-scoped objects behind); declare it after the namespace.
+pub struct Release {
+    pub name: String,
+    pub namespace: String,
+    uninstalled: bool,
+}
+
+impl Release {
+    pub fn new(ns: &TestNamespace, prefix: &str) -> Release {
+        let suffix = ns.name.rsplit('-').next().expect("namespace suffix");
+        Release {
+            name: format!("{prefix}-{suffix}"),
+            namespace: ns.name.clone(),
+            uninstalled: false,
+        }
+    }
+
+    /// `helm install` of the image `hack/image.sh` imported into the node's containerd, with a
+    /// controller that watches only the test's namespace (no --wait: the test waits itself,
+    /// with better messages).
+    pub fn install_on_node(ns: &TestNamespace, prefix: &str, extra: &[&str]) -> Release {
+        let release = Release::new(ns, prefix);
+        let mut args = vec![
+            "--set".to_string(),
+            "image.repository=fencedlease,image.tag=0.1.0,image.pullPolicy=Never".to_string(),
+            "--set".to_string(),
+            format!("controller.watchNamespace={}", ns.name),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        release.run("install", &args);
+        release
+    }
+
+    pub fn fullname(&self) -> String {
+        format!("{}-fencedlease", self.name)
+    }
+
+    pub fn sidecar_role(&self) -> String {
+        format!("{}-sidecar", self.name)
+    }
+
+    pub fn validating(&self) -> String {
+        format!("{}-fencing", self.fullname())
+    }
+
+    pub fn mutating(&self) -> String {
+        format!("{}-injection", self.fullname())
+    }
+
+    pub fn tls_secret(&self) -> String {
+        format!("{}-tls", self.fullname())
+    }
+
+    pub fn election_lease(&self) -> String {
+        format!("{}-controller", self.fullname())
+    }
+
+    pub fn pod_selector(&self) -> String {
+        format!("app.kubernetes.io/instance={}", self.name)
+    }
+
+    /// The values that keep this release to its own namespace and names.
+    pub fn isolation_args(&self) -> Vec<String> {
+        let selector = format!(
+            r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{}"}}}}"#,
+            self.namespace
+        );
+        vec![
+            "--namespace".into(),
+            self.namespace.clone(),
+            "--set-json".into(),
+            format!("fencing.namespaceSelector={selector}"),
+            "--set-json".into(),
+            format!("injection.namespaceSelector={selector}"),
+            "--set".into(),
+            format!("sidecarRole.name={}", self.sidecar_role()),
+        ]
+    }
+
+    /// `helm SUBCOMMAND RELEASE CHART <isolation> EXTRA...`
+    pub fn args(&self, subcommand: &str, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![subcommand.to_string(), self.name.clone(), chart()];
+        args.extend(self.isolation_args());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    pub fn run(&self, subcommand: &str, extra: &[&str]) -> String {
+        let args = self.args(subcommand, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        helm_ok(&args)
+    }
+
+    pub fn uninstall(&mut self) {
+        helm_ok(&["uninstall", &self.name, "--namespace", &self.namespace]);
+        self.uninstalled = true;
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if !self.uninstalled {
+            let _ = helm(&[
+                "uninstall",
+                &self.name,
+                "--namespace",
+                &self.namespace,
+                "--ignore-not-found",
+            ]);
+        }
+    }
+}
