@@ -186,7 +186,9 @@ done
 python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
   "$HERE" >"$OUT/machine-after.json"
 log "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
-python3 "$HERE/report.py" "$OUT" --plots "$OUT/plots" --criterion "$OUT/criterion" >"$OUT/report.log"
+JUDGE=()
+[ "$MODE" = quick ] && JUDGE=(--no-judge)
+python3 "$HERE/report.py" "$OUT" --plots "$OUT/plots" --criterion "$OUT/criterion" "${JUDGE[@]}" >"$OUT/report.log"
 cat "$OUT/tables.md" >&2
 if [ ${#FAILED[@]} -gt 0 ]; then
   die "these benchmarks failed: ${FAILED[*]} (logs: $OUT, $FL_BENCH_WORK); the record is unchanged"
