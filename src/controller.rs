@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
@@ -46,6 +46,11 @@ pub struct ControllerArgs {
     /// Name of that FencedLease.
     #[arg(long, default_value = "fencedlease-controller")]
     pub election_lease: String,
+    /// A Service in the election namespace that owns the election FencedLease, so that
+    /// uninstalling the operator removes the lease with it (the chart passes its webhook
+    /// Service). Needs `get` on that Service.
+    #[arg(long)]
+    pub election_owner_service: Option<String>,
     /// Identity of this replica (default: hostname and process id).
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
@@ -659,6 +664,64 @@ async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
     }
 }
 
+/// An owner reference to the Service `name`, or None, with a warning that says what follows,
+/// when it cannot be read.
+async fn service_owner(client: &Client, namespace: &str, name: &str) -> Option<OwnerReference> {
+    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    match services.get_opt(name).await {
+        Ok(Some(svc)) => svc.metadata.uid.map(|uid| OwnerReference {
+            api_version: "v1".into(),
+            kind: "Service".into(),
+            name: name.to_string(),
+            uid,
+            ..OwnerReference::default()
+        }),
+        Ok(None) => {
+            warn!(service = name, %namespace, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
+            None
+        }
+        Err(e) => {
+            warn!(service = name, %namespace, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on services/{name}): the lease will outlive the operator");
+            None
+        }
+    }
+}
+
+/// Gives an election lease created without an owner (by an earlier version) its owner. A
+/// metadata change: the generation, so the token, stays.
+async fn adopt_election_lease(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    owner: &OwnerReference,
+) {
+    let api: Api<FencedLease> = Api::namespaced(client.clone(), namespace);
+    match api.get_opt(name).await {
+        Ok(Some(lease))
+            if lease
+                .metadata
+                .owner_references
+                .as_ref()
+                .is_none_or(|o| o.is_empty()) =>
+        {
+            let patch = serde_json::json!({"metadata": {"ownerReferences": [owner]}});
+            match api
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    info!(lease = name, service = %owner.name, "the election FencedLease is now owned by the Service")
+                }
+                Err(e) => {
+                    warn!(lease = name, error = %e, "could not give the election FencedLease its owner")
+                }
+            }
+        }
+        Ok(_) => {}
+        Err(e) => warn!(lease = name, error = %e, "could not read the election FencedLease"),
+    }
+}
+
 /// Runs the controller: campaigns for the controller lease and reconciles while active.
 pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
@@ -686,6 +749,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         stopped(stop_rx.clone()),
     ));
 
+    let owner = match &args.election_owner_service {
+        Some(service) => service_owner(&client, &args.election_namespace, service).await,
+        None => None,
+    };
     let (elector, handle) = Elector::new(
         client.clone(),
         ElectorConfig {
@@ -693,6 +760,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             lease: args.election_lease.clone(),
             identity: identity.clone(),
             create_with_duration: Some(15),
+            create_owner: owner.clone(),
             timing_override: None,
         },
     )?;
@@ -722,6 +790,15 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             "this replica is the active controller"
         );
         ctx.metrics.leading.set(1);
+        if let Some(owner) = &owner {
+            adopt_election_lease(
+                &client,
+                &args.election_namespace,
+                &args.election_lease,
+                owner,
+            )
+            .await;
+        }
         // A fresh cache and pod index for every term: what an earlier term saw may be old.
         *ctx.pods.lock().unwrap_or_else(|p| p.into_inner()) = PodIndex::default();
         let (reader, writer) = reflector::store::<FencedLease>();

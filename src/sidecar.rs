@@ -419,6 +419,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             lease: args.lease.clone(),
             identity: identity.clone(),
             create_with_duration: Some(args.lease_duration),
+            create_owner: None,
             timing_override: None,
         },
     )?;

@@ -204,6 +204,7 @@ fn rendered_objects_follow_the_design() {
         "0.0.0.0:9090",
         "--election-namespace",
         "--election-lease",
+        "--election-owner-service",
         "--identity",
         "--webhook-cert-secret",
         "design-fencedlease-tls",
@@ -900,6 +901,7 @@ async fn rbac_is_enough_and_no_more() {
         &["patch", &vwc],
         &["patch", &mwc],
         &["get", &cert_secret, "-n", rel],
+        &["get", &format!("services/{full}"), "-n", rel],
         &["update", &cert_secret, "-n", rel],
         &["create", "secrets", "-n", rel],
     ] {
@@ -909,6 +911,9 @@ async fn rbac_is_enough_and_no_more() {
     for args in [
         &["list", "secrets", "-A"][..],
         &["get", "secrets", "-n", o],
+        &["get", "services", "-n", o],
+        &["list", "services", "-n", rel],
+        &["get", "services/something-else", "-n", rel],
         &["get", &cert_secret, "-n", o],
         &["list", "secrets", "-n", rel],
         &["get", "secrets/something-else", "-n", rel],

@@ -1264,6 +1264,23 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
         },
     )
     .await;
+    // The election lease is owned by the webhook Service, so that uninstalling removes it.
+    let election = leases
+        .get(&release.election_lease())
+        .await
+        .expect("the election lease");
+    let owners: Vec<(String, String)> = election
+        .metadata
+        .owner_references
+        .unwrap_or_default()
+        .into_iter()
+        .map(|o| (o.kind, o.name))
+        .collect();
+    assert_eq!(
+        owners,
+        [("Service".to_string(), release.fullname())],
+        "owners of the election lease"
+    );
     // ... and has issued the serving certificate, owned by the webhook Service, and written its
     // CA into both webhook configurations.
     let ca = wait_certificate_and_ca_bundles(&client, &release).await;
@@ -1413,20 +1430,28 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
             "{kind}/{name} is still there: {out}{err}"
         );
     }
-    // What is left: the controller's own election FencedLease (FencedLeases outlive the
-    // release, like the CRD), and nothing else.
-    let left: Vec<String> = leases
-        .list(&ListParams::default())
-        .await
-        .expect("listing FencedLeases")
-        .items
-        .iter()
-        .filter_map(|l| l.metadata.name.clone())
-        .collect();
-    assert!(
-        left.iter().all(|n| *n == release.election_lease()),
-        "FencedLeases left after uninstall: {left:?}"
-    );
+    // No FencedLease is left: the election lease goes with its owner, the Service (the garbage
+    // collector deletes it shortly after).
+    poll(
+        Duration::from_secs(60),
+        "the election lease to be garbage-collected with the Service",
+        || async {
+            let left: Vec<String> = leases
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .iter()
+                .filter_map(|l| l.metadata.name.clone())
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("FencedLeases left after uninstall: {left:?}"))
+            }
+        },
+    )
+    .await;
     let (ok, _, err) = kubectl(&["get", "crd", "fencedleases.fencedlease.io"]);
     assert!(ok, "the CRD must stay after uninstall: {err}");
 }

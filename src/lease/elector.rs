@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::PostParams;
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
@@ -81,6 +82,8 @@ pub struct ElectorConfig {
     pub identity: String,
     /// Create the FencedLease with this `leaseDurationSeconds` when it does not exist.
     pub create_with_duration: Option<i32>,
+    /// The owner a created FencedLease gets (so that it is garbage-collected with it).
+    pub create_owner: Option<OwnerReference>,
     /// Use this timing instead of the one derived from `spec.leaseDurationSeconds`.
     pub timing_override: Option<Timing>,
 }
@@ -413,7 +416,8 @@ impl Elector {
         self.last_create_attempt = Some(now);
         let mut spec = FencedLeaseSpec::free();
         spec.lease_duration_seconds = duration;
-        let lease = FencedLease::new(&self.cfg.lease, spec);
+        let mut lease = FencedLease::new(&self.cfg.lease, spec);
+        lease.metadata.owner_references = self.cfg.create_owner.clone().map(|o| vec![o]);
         match self.api.create(&PostParams::default(), &lease).await {
             Ok(created) => {
                 info!("created the FencedLease");
