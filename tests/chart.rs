@@ -898,6 +898,7 @@ async fn rbac_is_enough_and_no_more() {
         &["create", "events", "-n", o],
         &["create", "events.events.k8s.io", "-n", o],
         &["patch", "pods", "-n", o],
+        &["watch", "pods", "-A"],
         &["patch", &vwc],
         &["patch", &mwc],
         &["get", &cert_secret, "-n", rel],
@@ -924,6 +925,7 @@ async fn rbac_is_enough_and_no_more() {
         &["delete", "fencedleases.fencedlease.io", "-n", o],
         &["create", "fencedleases.fencedlease.io", "-n", o],
         &["delete", "pods", "-n", o],
+        &["get", "pods", "-n", o],
         &["create", "pods", "-n", o],
         &[
             "list",
