@@ -8,7 +8,6 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::ByteString;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -115,20 +114,10 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
             .map_err(kube::Error::SerdeError)?;
             secret.data = Some(data);
             // Owned by the webhook Service, so that uninstalling the operator removes it.
-            let services: Api<Service> = Api::namespaced(client.clone(), &cfg.namespace);
-            if let Some(svc) = services.get_opt(&cfg.service).await? {
-                if let Some(uid) = svc.metadata.uid {
-                    secret.metadata.owner_references = Some(vec![
-                        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-                            api_version: "v1".into(),
-                            kind: "Service".into(),
-                            name: cfg.service.clone(),
-                            uid,
-                            ..Default::default()
-                        },
-                    ]);
-                }
-            }
+            secret.metadata.owner_references =
+                crate::controller::service_owner(client, &cfg.namespace, &cfg.service)
+                    .await?
+                    .map(|o| vec![o]);
             match existing {
                 Some(old) => {
                     secret.metadata.resource_version = old.metadata.resource_version;

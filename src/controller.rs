@@ -356,26 +356,16 @@ async fn move_leader_label(
         return Ok(());
     };
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let patch = |value: Option<&str>| {
-        Patch::Merge(serde_json::json!({"metadata": {"labels": {ROLE_LABEL: value}}}))
-    };
-    for name in &plan.unlabel {
+    // The old holders' label comes off first.
+    let changes = plan.unlabel.iter().map(|name| (name, None));
+    for (name, value) in changes.chain(plan.label.iter().map(|name| (name, Some("leader")))) {
+        let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: value}}});
         match pods
-            .patch(name, &PatchParams::default(), &patch(None))
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {} // the pod is gone already
-            Err(e) => return Err(e.into()),
-        }
-    }
-    if let Some(name) = &plan.label {
-        match pods
-            .patch(name, &PatchParams::default(), &patch(Some("leader")))
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -664,27 +654,24 @@ async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
     }
 }
 
-/// An owner reference to the Service `name`, or None, with a warning that says what follows,
-/// when it cannot be read.
-async fn service_owner(client: &Client, namespace: &str, name: &str) -> Option<OwnerReference> {
+/// An owner reference to the Service `name` in `namespace`, if it exists: the webhook Service
+/// owns what the operator creates at run time (the certificate Secret, the election lease), so
+/// that uninstalling removes those too.
+pub async fn service_owner(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<OwnerReference>, kube::Error> {
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    match services.get_opt(name).await {
-        Ok(Some(svc)) => svc.metadata.uid.map(|uid| OwnerReference {
+    Ok(services.get_opt(name).await?.and_then(|svc| {
+        svc.metadata.uid.map(|uid| OwnerReference {
             api_version: "v1".into(),
             kind: "Service".into(),
             name: name.to_string(),
             uid,
             ..OwnerReference::default()
-        }),
-        Ok(None) => {
-            warn!(service = name, %namespace, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
-            None
-        }
-        Err(e) => {
-            warn!(service = name, %namespace, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on services/{name}): the lease will outlive the operator");
-            None
-        }
-    }
+        })
+    }))
 }
 
 /// Gives an election lease created without an owner (by an earlier version) its owner. A
@@ -735,9 +722,6 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     let metrics = ControllerMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
 
     let health = HealthState {
         registry: Arc::new(registry),
@@ -746,11 +730,21 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     let server = tokio::spawn(crate::metrics::serve(
         args.metrics_addr,
         health,
-        stopped(stop_rx.clone()),
+        crate::until_stopped(stop_rx.clone()),
     ));
 
     let owner = match &args.election_owner_service {
-        Some(service) => service_owner(&client, &args.election_namespace, service).await,
+        Some(service) => match service_owner(&client, &args.election_namespace, service).await {
+            Ok(Some(owner)) => Some(owner),
+            Ok(None) => {
+                warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
+                None
+            }
+            Err(e) => {
+                warn!(%service, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on that Service): the lease will outlive the operator");
+                None
+            }
+        },
         None => None,
     };
     let (elector, handle) = Elector::new(
@@ -764,7 +758,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             timing_override: None,
         },
     )?;
-    let elector_task = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+    let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
     let ctx = Arc::new(Context::new(client.clone(), metrics, &identity));
     ready.store(true, Ordering::Relaxed);
 

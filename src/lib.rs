@@ -18,3 +18,9 @@ pub mod pods;
 pub mod proxy;
 pub mod sidecar;
 pub mod webhook;
+
+/// Completes when the stop channel says true (or its sender is gone): the shutdown signal the
+/// long-running subcommands hand to their servers and electors.
+pub async fn until_stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}

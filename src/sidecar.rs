@@ -455,10 +455,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_rx_proxy = stop_rx.clone();
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let elector_task = tokio::spawn(elector.run(stopped(stop_rx.clone())));
+    let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
     let files_task = tokio::spawn(token_files(
         args.token_dir.clone(),
         handle.state.clone(),
@@ -512,7 +509,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     info!(addr = %args.listen, lease = %args.lease, "sidecar API listening");
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
-            .with_graceful_shutdown(stopped(stop_rx))
+            .with_graceful_shutdown(crate::until_stopped(stop_rx))
             .await
     });
 
@@ -528,7 +525,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
                 .await
                 .with_context(|| format!("binding the proxy on {addr}"))?;
             info!(%addr, "Kubernetes API proxy listening");
-            let stop = stopped(stop_rx_proxy.clone());
+            let stop = crate::until_stopped(stop_rx_proxy.clone());
             Some(tokio::spawn(async move {
                 axum::serve(l, router).with_graceful_shutdown(stop).await
             }))

@@ -11,10 +11,9 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::helm::{chart, chart_dir, helm, helm_ok, Release};
+use common::helm::{chart, chart_dir, helm, helm_ok, objects_of_release, Release};
 use common::{client, ensure_crd, kubectl, TestNamespace};
 use serde_json::Value;
 
@@ -593,43 +592,6 @@ fn apply_dry_run(ns: &str, manifests: &str) -> String {
     out
 }
 
-/// Objects of any listable kind, in any namespace, that carry the release's instance label.
-fn objects_of_release(release: &str) -> Vec<String> {
-    static KINDS: OnceLock<String> = OnceLock::new();
-    let kinds = KINDS.get_or_init(|| {
-        let (ok, out, err) = kubectl(&["api-resources", "--verbs=list", "-o", "name"]);
-        assert!(ok, "kubectl api-resources: {err}");
-        out.lines()
-            .map(str::trim)
-            .filter(|k| !k.is_empty() && *k != "componentstatuses" && !k.starts_with("events"))
-            .collect::<Vec<_>>()
-            .join(",")
-    });
-    let selector = format!("app.kubernetes.io/instance={release}");
-    // Objects already being deleted (deletionTimestamp set) count as gone: on a cluster with a
-    // node, kubelet may take a while to finish a pod's deletion after uninstall handed it over.
-    let (ok, out, err) = kubectl(&[
-        "get",
-        kinds,
-        "--all-namespaces",
-        "-l",
-        &selector,
-        "--no-headers",
-        "-o",
-        "custom-columns=KIND:.kind,NAME:.metadata.name,DELETING:.metadata.deletionTimestamp",
-    ]);
-    assert!(ok, "listing objects of release {release}: {err}");
-    out.lines()
-        .filter_map(|l| {
-            let cols: Vec<&str> = l.split_whitespace().collect();
-            match cols.as_slice() {
-                [kind, name, "<none>"] => Some(format!("{}/{name}", kind.to_lowercase())),
-                _ => None,
-            }
-        })
-        .collect()
-}
-
 fn jsonpath(args: &[&str], path: &str) -> String {
     let expr = format!("jsonpath={path}");
     let mut all = args.to_vec();
@@ -771,7 +733,13 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
     // collector, hence the wait), the CRD stays.
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
-        let left = objects_of_release(&release.name);
+        // Objects already being deleted (deletionTimestamp set) count as gone: on a cluster with
+        // a node, kubelet may take a while to finish a pod's deletion after uninstall.
+        let left: Vec<String> = objects_of_release(&release.name)
+            .into_iter()
+            .filter(|(_, deleting)| !deleting)
+            .map(|(name, _)| name)
+            .collect();
         if left.is_empty() {
             break;
         }

@@ -33,10 +33,10 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::helm::Release;
+use common::helm::{objects_of_release, Release};
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use fencedlease::api::FencedLease;
 use futures::StreamExt;
@@ -1189,35 +1189,6 @@ async fn a_deployment_of_two_sidecars_elects_exactly_one_of_its_pods() {
     assert_ne!(next, leader);
 }
 
-/// Objects of any listable kind, in any namespace, that carry the release's instance label.
-fn objects_of_release(release: &str) -> Vec<String> {
-    static KINDS: OnceLock<String> = OnceLock::new();
-    let kinds = KINDS.get_or_init(|| {
-        let (ok, out, err) = kubectl(&["api-resources", "--verbs=list", "-o", "name"]);
-        assert!(ok, "kubectl api-resources: {err}");
-        out.lines()
-            .map(str::trim)
-            .filter(|k| !k.is_empty() && *k != "componentstatuses" && !k.starts_with("events"))
-            .collect::<Vec<_>>()
-            .join(",")
-    });
-    let selector = format!("app.kubernetes.io/instance={release}");
-    let (ok, out, err) = kubectl(&[
-        "get",
-        kinds,
-        "--all-namespaces",
-        "-l",
-        &selector,
-        "-o",
-        "name",
-    ]);
-    assert!(ok, "listing objects of release {release}: {err}");
-    out.lines()
-        .map(str::to_string)
-        .filter(|l| !l.trim().is_empty())
-        .collect()
-}
-
 #[tokio::test]
 async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_removes_it() {
     let client = client().await;
@@ -1385,7 +1356,10 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
         Duration::from_secs(120),
         "helm uninstall to remove every object of the release, its pods and its certificate Secret",
         || async {
-            let mut left = objects_of_release(&release_name);
+            let mut left: Vec<String> = objects_of_release(&release_name)
+                .into_iter()
+                .map(|(name, _)| name)
+                .collect();
             let all_pods = pods
                 .list(&ListParams::default())
                 .await

@@ -378,9 +378,6 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     }
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
     let health = HealthState {
         registry: Arc::new(registry),
         ready: ready.clone(),
@@ -388,7 +385,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let metrics_server = tokio::spawn(crate::metrics::serve(
         args.metrics_addr,
         health,
-        stopped(stop_rx.clone()),
+        crate::until_stopped(stop_rx.clone()),
     ));
 
     let app = Router::new()

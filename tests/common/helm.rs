@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use super::TestNamespace;
+use super::{kubectl, TestNamespace};
 
 pub fn chart_dir() -> PathBuf {
     super::repo_root().join("charts/fencedlease")
@@ -175,4 +175,42 @@ impl Drop for Release {
             ]);
         }
     }
+}
+
+/// Objects of any listable kind, in any namespace, that carry the release's instance label, as
+/// ("kind/name", being deleted).
+pub fn objects_of_release(release: &str) -> Vec<(String, bool)> {
+    static KINDS: OnceLock<String> = OnceLock::new();
+    let kinds = KINDS.get_or_init(|| {
+        let (ok, out, err) = kubectl(&["api-resources", "--verbs=list", "-o", "name"]);
+        assert!(ok, "kubectl api-resources: {err}");
+        out.lines()
+            .map(str::trim)
+            .filter(|k| !k.is_empty() && *k != "componentstatuses" && !k.starts_with("events"))
+            .collect::<Vec<_>>()
+            .join(",")
+    });
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let (ok, out, err) = kubectl(&[
+        "get",
+        kinds,
+        "--all-namespaces",
+        "-l",
+        &selector,
+        "--no-headers",
+        "-o",
+        "custom-columns=KIND:.kind,NAME:.metadata.name,DELETING:.metadata.deletionTimestamp",
+    ]);
+    assert!(ok, "listing objects of release {release}: {err}");
+    out.lines()
+        .filter_map(
+            |l| match l.split_whitespace().collect::<Vec<_>>().as_slice() {
+                [kind, name, deleting] => Some((
+                    format!("{}/{name}", kind.to_lowercase()),
+                    *deleting != "<none>",
+                )),
+                _ => None,
+            },
+        )
+        .collect()
 }
