@@ -215,16 +215,37 @@ def main() -> None:
         md.append("| run | | n | p50 | p90 | p99 | mean |\n|---|---|---|---|---|---|---|")
         for i, r in enumerate(runs, 1):
             p, q, a = r["protected_ms"], r["plain_ms"], r["added_ms"]
-            mark = " (median)" if len(runs) > 1 and a == d["added_ms"] else ""
+            mark = ""
             md.append(f"| {i}{mark} | with the webhook (labelled) | {p['n']} | {p['p50']:.2f} | {p['p90']:.2f} | {p['p99']:.2f} | {p['mean']:.2f} |")
             md.append(f"| {i}{mark} | without (unlabelled, not sent) | {q['n']} | {q['p50']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} | {q['mean']:.2f} |")
-            md.append(f"| {i}{mark} | **added** | | {a['p50']:.2f} | {a['p90']:.2f} | {a['p99']:.2f} | {a['mean']:.2f} |")
-        a = d["added_ms"]
+            md.append(f"| {i}{mark} | **added** (difference of the two rows) | | {a['p50']:.2f} | {a['p90']:.2f} | {a['p99']:.2f} | {a['mean']:.2f} |")
+            c = r.get("apiserver_webhook_call_ms")
+            if c and c.get("p99") is not None:
+                md.append(f"| {i}{mark} | **the API server's call to the webhook** (its histogram, bucket upper bounds) "
+                          f"| {c['calls']} | <= {c['p50']:.3f} | <= {c['p90']:.3f} | <= {c['p99']:.3f} | |")
         every = ", ".join(f"{r['added_ms']['p99']:.2f}" for r in runs)
-        verdict("webhook adds < 2 ms at p99 through the API server", a["p99"] < 2.0,
-                f"added p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms"
-                + (f" (the median of {len(runs)} runs by added p99; every run's added p99: {every} ms)"
-                   if len(runs) > 1 else ""))
+        p, q, a = d["protected_ms"], d["plain_ms"], d["added_ms"]
+        if len(runs) > 1:
+            md.append(f"| all | with the webhook | {p['n']} | {p['p50']:.2f} | {p['p90']:.2f} | {p['p99']:.2f} | {p['mean']:.2f} |")
+            md.append(f"| all | without | {q['n']} | {q['p50']:.2f} | {q['p90']:.2f} | {q['p99']:.2f} | {q['mean']:.2f} |")
+            md.append(f"| all | **added** | | {a['p50']:.2f} | {a['p90']:.2f} | {a['p99']:.2f} | {a['mean']:.2f} |")
+        ci = d.get("added_p99_ci95_ms")
+        ab = (f"with vs without (interleaved): added p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms"
+              + (f" (95 % bootstrap interval {ci[0]:.2f} to {ci[1]:.2f})" if ci else "")
+              + (f"; all {len(runs)} runs pooled, each run's added p99: {every} ms" if len(runs) > 1 else ""))
+        c = d.get("apiserver_webhook_call_ms") or {}
+        summary["webhook_apiserver"]["apiserver_webhook_call_ms"] = c
+        summary["webhook_apiserver"]["added_p99_ci95_ms"] = ci
+        if c.get("fine_buckets") and c.get("p99") is not None:
+            verdict("webhook adds < 2 ms at p99 through the API server", c["p99"] < 2.0 and a["p99"] < 2.0,
+                    f"the API server's own timing of its call to the webhook, {c['calls']} calls: "
+                    f"p50 <= {c['p50']:.3f} ms, p99 <= {c['p99']:.3f} ms; {ab}",
+                    "met only if both are under 2 ms: the API server's timing (what each request waits for the "
+                    "webhook, read from its histogram with the buckets of bench/build-apiserver.sh) and the "
+                    "difference of the with/without p99s (two tails, each from the slowest 1 % of its side)")
+        else:
+            verdict("webhook adds < 2 ms at p99 through the API server", a["p99"] < 2.0, ab,
+                    c.get("note", ""))
 
     # -- controller --------------------------------------------------------------------------
     d = load(run, "controller-scale")
