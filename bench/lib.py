@@ -490,6 +490,8 @@ def machine_info() -> dict[str, Any]:
         return r.stdout.strip()
 
     mem_kib = int(sh("awk '/MemTotal/{print $2}' /proc/meminfo") or 0)
+    # The binaries the cluster runs: what bench/run.sh handed hack/cluster.sh, else the default.
+    bins = os.environ.get("KUBEBUILDER_ASSETS") or f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin"
     return {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "nproc": os.cpu_count(),
@@ -500,8 +502,10 @@ def machine_info() -> dict[str, Any]:
         "rustc": sh("rustc --version"),
         "go": sh("go version"),
         "python": sys.version.split()[0],
-        "kube_apiserver": sh(f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin/kube-apiserver --version"),
-        "etcd": sh(f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin/etcd --version | head -1"),
+        "kube_apiserver": sh(f"{bins}/kube-apiserver --version"),
+        # bench/build-apiserver.sh's build (finer admission latency buckets) or another one.
+        "kube_apiserver_path": str(Path(bins, "kube-apiserver").resolve()),
+        "etcd": sh(f"{bins}/etcd --version | head -1"),
         "fencedlease_commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
         "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src Cargo.toml | wc -l"),
     }
