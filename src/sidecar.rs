@@ -65,6 +65,11 @@ pub struct SidecarArgs {
     /// are refused while this pod does not lead. Off unless set.
     #[arg(long, env = "FENCEDLEASE_PROXY_LISTEN")]
     pub proxy_listen: Option<SocketAddr>,
+    /// Also serve /healthz and /readyz (nothing else: no token, no status) on this address, for
+    /// kubelet's HTTP probes. Unlike an exec probe, an HTTP probe of a frozen pod times out and
+    /// fails, so a frozen leader turns unready. Off unless set; the injector sets 0.0.0.0:PORT+2.
+    #[arg(long, env = "FENCEDLEASE_PROBE_LISTEN")]
+    pub probe_listen: Option<SocketAddr>,
     /// Seconds between health checks (each may take at most this long).
     #[arg(long, default_value_t = 1.0)]
     pub app_health_interval_seconds: f64,
@@ -454,7 +459,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_rx_proxy = stop_rx.clone();
+    let stop_rx_extra = stop_rx.clone();
     let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
     let files_task = tokio::spawn(token_files(
         args.token_dir.clone(),
@@ -494,6 +499,13 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         ));
     }
 
+    let probes = args.probe_listen.map(|addr| {
+        let router = Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .with_state(shared.clone());
+        (addr, router)
+    });
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/token", get(token))
@@ -513,6 +525,19 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             .await
     });
 
+    let probe_server = match probes {
+        Some((addr, router)) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the probe endpoint on {addr}"))?;
+            info!(%addr, "probe endpoint (/healthz, /readyz) listening");
+            let stop = crate::until_stopped(stop_rx_extra.clone());
+            Some(tokio::spawn(async move {
+                axum::serve(l, router).with_graceful_shutdown(stop).await
+            }))
+        }
+        None => None,
+    };
     let proxy = match args.proxy_listen {
         Some(addr) => {
             let router = crate::proxy::router(
@@ -525,7 +550,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
                 .await
                 .with_context(|| format!("binding the proxy on {addr}"))?;
             info!(%addr, "Kubernetes API proxy listening");
-            let stop = crate::until_stopped(stop_rx_proxy.clone());
+            let stop = crate::until_stopped(stop_rx_extra.clone());
             Some(tokio::spawn(async move {
                 axum::serve(l, router).with_graceful_shutdown(stop).await
             }))
@@ -546,8 +571,8 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     }
     let _ = files_task.await;
     let _ = server.await;
-    if let Some(p) = proxy {
-        let _ = p.await;
+    for task in [proxy, probe_server].into_iter().flatten() {
+        let _ = task.await;
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

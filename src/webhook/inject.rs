@@ -92,8 +92,8 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
         Some(v) => v
             .parse::<u16>()
             .ok()
-            .filter(|p| *p >= 1024)
-            .ok_or_else(|| format!("fencedlease: annotation {PORT_ANNOTATION}={v:?} must be a port from 1024 to 65535"))?,
+            .filter(|p| (1024..=65533).contains(p))
+            .ok_or_else(|| format!("fencedlease: annotation {PORT_ANNOTATION}={v:?} must be a port from 1024 to 65533 (the sidecar also uses the next two)"))?,
     };
     let ready_only_when_leader = match annotation(pod, READY_ANNOTATION) {
         None | Some("false") => false,
@@ -119,6 +119,11 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
         )
     });
     let proxy_port = if proxy { Some(proxy_port?) } else { None };
+    let probe_port = port.checked_add(2).ok_or_else(|| {
+        format!(
+            "fencedlease: annotation {PORT_ANNOTATION}: no room for the probe port two above {port}"
+        )
+    })?;
     let health = annotation(pod, HEALTH_ANNOTATION);
     if let Some(url) = health {
         crate::sidecar::parse_http_url(url)
@@ -146,11 +151,24 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     if let Some(pp) = proxy_port {
         args.extend(["--proxy-listen".into(), format!("127.0.0.1:{pp}")]);
     }
-    // Kubelet probes the pod IP; the sidecar listens on loopback only, so probe from inside.
-    let probe = |path: &str| {
-        json!({"exec": {"command": ["fencedlease", "probe", format!("{url}{path}")]},
-               "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3})
+    // Kubelet probes the pod IP, where only the probe endpoint listens (/healthz and /readyz,
+    // no token). Readiness is an HTTP probe: when the pod is frozen, the kernel still accepts
+    // the connection but nothing answers, the probe times out and the pod turns unready (an exec
+    // probe would hang in the frozen cgroup and kubelet would keep the last result).
+    // Liveness stays an exec probe from inside: a frozen pod is not restarted (that could not
+    // stop it anyway); a hung sidecar is.
+    args.extend(["--probe-listen".into(), format!("0.0.0.0:{probe_port}")]);
+    let timing = json!({"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3});
+    let with_timing = |mut probe: Value| {
+        if let (Some(p), Some(t)) = (probe.as_object_mut(), timing.as_object()) {
+            p.extend(t.clone());
+        }
+        probe
     };
+    let liveness = with_timing(
+        json!({"exec": {"command": ["fencedlease", "probe", format!("{url}/healthz")]}}),
+    );
+    let readiness = with_timing(json!({"httpGet": {"path": "/readyz", "port": probe_port}}));
     let mut sidecar = json!({
         "name": CONTAINER,
         "image": cfg.image,
@@ -169,8 +187,8 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
             "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": [{"name": VOLUME, "mountPath": TOKEN_DIR}],
-        "livenessProbe": probe("/healthz"),
-        "readinessProbe": probe("/readyz"),
+        "livenessProbe": liveness,
+        "readinessProbe": readiness,
     });
 
     let mut out = serde_json::to_value(pod)
@@ -350,6 +368,21 @@ mod tests {
         assert_eq!(sc["readOnlyRootFilesystem"], true);
         assert_eq!(sc["allowPrivilegeEscalation"], false);
         assert!(cs[1]["resources"]["limits"]["memory"].is_string());
+        // Probes: readiness over HTTP on the probe port (it fails while the pod is frozen);
+        // liveness from inside, on the loopback API.
+        assert!(args
+            .windows(2)
+            .any(|w| w == ["--probe-listen", "0.0.0.0:8789"]));
+        assert_eq!(
+            cs[1]["readinessProbe"]["httpGet"],
+            json!({"path": "/readyz", "port": 8789})
+        );
+        assert_eq!(cs[1]["readinessProbe"]["timeoutSeconds"], 2);
+        assert_eq!(
+            cs[1]["livenessProbe"]["exec"]["command"][2],
+            "http://127.0.0.1:8787/healthz"
+        );
+        assert_eq!(cs[1]["livenessProbe"]["periodSeconds"], 2);
     }
 
     #[test]
@@ -418,6 +451,7 @@ mod tests {
             (DURATION_ANNOTATION, "15s"),
             (PORT_ANNOTATION, "80"),
             (PORT_ANNOTATION, "x"),
+            (PORT_ANNOTATION, "65534"),
             (READY_ANNOTATION, "yes"),
             (HEALTH_ANNOTATION, "https://x"),
             (LEASE_ANNOTATION, "Bad_Name"),
