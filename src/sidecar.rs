@@ -67,7 +67,8 @@ pub struct SidecarArgs {
     pub proxy_listen: Option<SocketAddr>,
     /// Also serve /healthz and /readyz (nothing else: no token, no status) on this address, for
     /// kubelet's HTTP probes. Unlike an exec probe, an HTTP probe of a frozen pod times out and
-    /// fails, so a frozen leader turns unready. Off unless set; the injector sets 0.0.0.0:PORT+2.
+    /// fails, so a frozen leader turns unready. Off unless set; the injector sets [::]:PORT+2
+    /// (IPv4 and IPv6; IPv4 alone where the pod has no IPv6).
     #[arg(long, env = "FENCEDLEASE_PROBE_LISTEN")]
     pub probe_listen: Option<SocketAddr>,
     /// Seconds between health checks (each may take at most this long).
@@ -391,6 +392,22 @@ async fn health_loop(
     }
 }
 
+/// Binds the probe endpoint. `[::]:PORT` (what the injector asks for) takes IPv4 and IPv6
+/// connections alike; in a pod without IPv6 that bind fails, and `0.0.0.0:PORT` is used instead.
+async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => Ok(l),
+        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+            let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            info!(error = %e, %v4, "no IPv6 here: the probe endpoint listens on IPv4 only");
+            tokio::net::TcpListener::bind(v4)
+                .await
+                .with_context(|| format!("binding the probe endpoint on {addr} and on {v4}"))
+        }
+        Err(e) => Err(e).with_context(|| format!("binding the probe endpoint on {addr}")),
+    }
+}
+
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     if !args.listen.ip().is_loopback() {
         anyhow::bail!(
@@ -527,9 +544,8 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let probe_server = match probes {
         Some((addr, router)) => {
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the probe endpoint on {addr}"))?;
+            let l = bind_probe_listener(addr).await?;
+            let addr = l.local_addr().unwrap_or(addr);
             info!(%addr, "probe endpoint (/healthz, /readyz) listening");
             let stop = crate::until_stopped(stop_rx_extra.clone());
             Some(tokio::spawn(async move {
@@ -580,6 +596,20 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_probe_endpoint_takes_ipv4_when_asked_for_any_address() {
+        // kubelet on an IPv4 pod network connects to the pod's IPv4 address: `[::]` must take
+        // it (dual stack), or be replaced by 0.0.0.0 where the pod has no IPv6.
+        let any: SocketAddr = "[::]:0".parse().expect("address");
+        let l = bind_probe_listener(any).await.expect("bind");
+        let port = l.local_addr().expect("local address").port();
+        let accept = tokio::spawn(async move { l.accept().await.map(|_| ()) });
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("an IPv4 connection to the probe endpoint");
+        accept.await.expect("join").expect("accept");
+    }
 
     #[test]
     fn health_urls_parse_strictly() {

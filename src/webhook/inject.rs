@@ -157,7 +157,7 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     // probe would hang in the frozen cgroup and kubelet would keep the last result).
     // Liveness stays an exec probe from inside: a frozen pod is not restarted (that could not
     // stop it anyway); a hung sidecar is.
-    args.extend(["--probe-listen".into(), format!("0.0.0.0:{probe_port}")]);
+    args.extend(["--probe-listen".into(), format!("[::]:{probe_port}")]);
     let timing = json!({"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3});
     let with_timing = |mut probe: Value| {
         if let (Some(p), Some(t)) = (probe.as_object_mut(), timing.as_object()) {
@@ -372,7 +372,7 @@ mod tests {
         // liveness from inside, on the loopback API.
         assert!(args
             .windows(2)
-            .any(|w| w == ["--probe-listen", "0.0.0.0:8789"]));
+            .any(|w| w == ["--probe-listen", "[::]:8789"]));
         assert_eq!(
             cs[1]["readinessProbe"]["httpGet"],
             json!({"path": "/readyz", "port": 8789})
