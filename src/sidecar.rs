@@ -392,20 +392,37 @@ async fn health_loop(
     }
 }
 
-/// Binds the probe endpoint. `[::]:PORT` (what the injector asks for) takes IPv4 and IPv6
-/// connections alike; in a pod without IPv6 that bind fails, and `0.0.0.0:PORT` is used instead.
+/// Binds the probe endpoint. `[::]:PORT` (what the injector asks for) is bound dual-stack,
+/// taking IPv4 and IPv6 connections whatever the pod's `net.ipv6.bindv6only`; in a pod without
+/// IPv6 that fails, and `0.0.0.0:PORT` is used instead. Other addresses are bound as given.
 async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
-    match tokio::net::TcpListener::bind(addr).await {
+    if addr.ip() != std::net::Ipv6Addr::UNSPECIFIED {
+        return tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the probe endpoint on {addr}"));
+    }
+    match dual_stack_listener(addr).and_then(tokio::net::TcpListener::from_std) {
         Ok(l) => Ok(l),
-        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+        Err(e) => {
             let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
             info!(error = %e, %v4, "no IPv6 here: the probe endpoint listens on IPv4 only");
             tokio::net::TcpListener::bind(v4)
                 .await
                 .with_context(|| format!("binding the probe endpoint on {addr} and on {v4}"))
         }
-        Err(e) => Err(e).with_context(|| format!("binding the probe endpoint on {addr}")),
     }
+}
+
+/// An IPv6 listening socket that also accepts IPv4 (IPV6_V6ONLY off), non-blocking for tokio.
+fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_only_v6(false)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
 }
 
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
@@ -600,7 +617,8 @@ mod tests {
     #[tokio::test]
     async fn the_probe_endpoint_takes_ipv4_when_asked_for_any_address() {
         // kubelet on an IPv4 pod network connects to the pod's IPv4 address: `[::]` must take
-        // it (dual stack), or be replaced by 0.0.0.0 where the pod has no IPv6.
+        // it (dual stack, whatever net.ipv6.bindv6only says), or be replaced by 0.0.0.0 where
+        // the pod has no IPv6.
         let any: SocketAddr = "[::]:0".parse().expect("address");
         let l = bind_probe_listener(any).await.expect("bind");
         let port = l.local_addr().expect("local address").port();
