@@ -413,6 +413,64 @@ async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::Tcp
     }
 }
 
+/// How much of the sidecar a peer on the pod network can hold through the probe endpoint.
+#[derive(Clone, Copy, Debug)]
+struct ProbeLimits {
+    /// Connections served at once; more are closed at once (kubelet makes one per probe).
+    max_connections: usize,
+    /// A connection that has not sent its request headers by then is closed.
+    header_timeout: Duration,
+    /// No connection lives longer (one request each: no keep-alive).
+    connection_timeout: Duration,
+}
+
+impl Default for ProbeLimits {
+    fn default() -> Self {
+        ProbeLimits {
+            max_connections: 32,
+            header_timeout: Duration::from_secs(5),
+            connection_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Serves the probe endpoint (HTTP/1, one request per connection) within `limits` until `stop`.
+async fn serve_probes(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: ProbeLimits,
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    tokio::pin!(stop);
+    loop {
+        let tcp = tokio::select! {
+            _ = &mut stop => return Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    warn!(error = %e, "probe endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue; // full: dropping the connection closes it
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let _ = tokio::time::timeout(limits.connection_timeout, conn).await;
+        });
+    }
+}
+
 /// An IPv6 listening socket that also accepts IPv4 (IPV6_V6ONLY off), non-blocking for tokio.
 fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
@@ -565,9 +623,12 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             let addr = l.local_addr().unwrap_or(addr);
             info!(%addr, "probe endpoint (/healthz, /readyz) listening");
             let stop = crate::until_stopped(stop_rx_extra.clone());
-            Some(tokio::spawn(async move {
-                axum::serve(l, router).with_graceful_shutdown(stop).await
-            }))
+            Some(tokio::spawn(serve_probes(
+                l,
+                router,
+                ProbeLimits::default(),
+                stop,
+            )))
         }
         None => None,
     };
@@ -613,6 +674,68 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A probe endpoint with `limits` on a free loopback port; returns its address.
+    async fn probe_endpoint(limits: ProbeLimits) -> SocketAddr {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("address");
+        let router = Router::new().route("/healthz", get(|| async { "ok" }));
+        tokio::spawn(serve_probes(l, router, limits, std::future::pending()));
+        addr
+    }
+
+    /// Reads until the server closes the connection (or `within` passes: then None).
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Option<Vec<u8>> {
+        let mut buf = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut buf))
+            .await
+            .ok()
+            .map(|_| buf)
+    }
+
+    #[tokio::test]
+    async fn the_probe_endpoint_answers_and_closes_idle_and_surplus_connections() {
+        let limits = ProbeLimits {
+            max_connections: 1,
+            header_timeout: Duration::from_millis(300),
+            connection_timeout: Duration::from_secs(5),
+        };
+        let addr = probe_endpoint(limits).await;
+        // A probe: one request, an answer, the connection closed.
+        let mut probe = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        probe
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = closed_within(&mut probe, Duration::from_secs(5))
+            .await
+            .expect("the probe's connection closed after the answer");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("ok"), "{answer}");
+        // A peer that connects and says nothing holds the only slot until the header timeout;
+        // a second connection meanwhile is closed at once, unanswered.
+        let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut surplus = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let refused = closed_within(&mut surplus, Duration::from_millis(200)).await;
+        assert_eq!(refused.as_deref(), Some(&b""[..]), "surplus connection");
+        // Closed by the header timeout (300 ms), well before the connection timeout (5 s).
+        let dropped = closed_within(&mut idle, Duration::from_secs(2)).await;
+        assert!(dropped.is_some(), "the idle connection was not closed by the header timeout");
+        // The slot is free again.
+        let mut again = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        again
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = closed_within(&mut again, Duration::from_secs(5))
+            .await
+            .expect("answered");
+        assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+    }
 
     #[tokio::test]
     async fn the_probe_endpoint_takes_ipv4_when_asked_for_any_address() {
