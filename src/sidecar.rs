@@ -724,7 +724,10 @@ mod tests {
         assert_eq!(refused.as_deref(), Some(&b""[..]), "surplus connection");
         // Closed by the header timeout (300 ms), well before the connection timeout (5 s).
         let dropped = closed_within(&mut idle, Duration::from_secs(2)).await;
-        assert!(dropped.is_some(), "the idle connection was not closed by the header timeout");
+        assert!(
+            dropped.is_some(),
+            "the idle connection was not closed by the header timeout"
+        );
         // The slot is free again.
         let mut again = tokio::net::TcpStream::connect(addr).await.expect("connect");
         again
