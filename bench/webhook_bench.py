@@ -58,13 +58,20 @@ def review_body(ns: str, lease: str, uid: str, token: int) -> bytes:
         }}).encode()
 
 
-def histogram(text: str) -> dict[float, float]:
-    """Cumulative bucket counts of fencedlease_webhook_admission_seconds: {le: count}."""
+def buckets(text: str, metric: str, labels: tuple[str, ...] = ()) -> dict[float, float]:
+    """Cumulative bucket counts {le: count} of histogram `metric` (its _bucket samples whose
+    label string contains every one of `labels`)."""
     out = {}
-    for k, v in lib.metric_values(text, "fencedlease_webhook_admission_seconds_bucket").items():
-        le = k.split('le="')[1].split('"')[0]
-        out[float("inf") if le == "+Inf" else float(le)] = v
+    for k, v in lib.metric_values(text, f"{metric}_bucket").items():
+        if all(label in k for label in labels):
+            le = k.split('le="')[1].split('"')[0]
+            out[float("inf") if le == "+Inf" else float(le)] = v
     return out
+
+
+def histogram(text: str) -> dict[float, float]:
+    """The webhook's own fencedlease_webhook_admission_seconds."""
+    return buckets(text, "fencedlease_webhook_admission_seconds")
 
 
 def hist_quantile(before: dict, after: dict, q: float) -> float | None:
@@ -84,14 +91,9 @@ HOOK = "fencing.fencedlease.io"
 
 def apiserver_webhook_histogram(text: str) -> dict[float, float]:
     """The API server's own timing of its calls to our webhook on UPDATE (allowed), from
-    apiserver_admission_webhook_admission_duration_seconds: {le: cumulative count}."""
-    out = {}
-    for k, v in lib.metric_values(text, "apiserver_admission_webhook_admission_duration_seconds_bucket").items():
-        if (f'name="{HOOK}"' in k and 'operation="UPDATE"' in k and 'rejected="false"' in k
-                and 'type="validating"' in k):
-            le = k.split('le="')[1].split('"')[0]
-            out[float("inf") if le == "+Inf" else float(le)] = v
-    return out
+    apiserver_admission_webhook_admission_duration_seconds."""
+    return buckets(text, "apiserver_admission_webhook_admission_duration_seconds",
+                   (f'name="{HOOK}"', 'operation="UPDATE"', 'rejected="false"', 'type="validating"'))
 
 
 def webhook_call_ms(before: dict, after: dict) -> dict:

@@ -413,6 +413,13 @@ async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::Tcp
     }
 }
 
+/// /healthz and /readyz: served on the loopback API and, alone, on the probe endpoint.
+fn probe_routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+}
+
 /// How much of the sidecar a peer on the pod network can hold through the probe endpoint.
 #[derive(Clone, Copy, Debug)]
 struct ProbeLimits {
@@ -592,10 +599,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     }
 
     let probes = args.probe_listen.map(|addr| {
-        let router = Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route("/readyz", get(readyz))
-            .with_state(shared.clone());
+        let router = probe_routes().with_state(shared.clone());
         (addr, router)
     });
     let app = Router::new()
@@ -603,8 +607,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         .route("/v1/token", get(token))
         .route("/v1/watch", get(watch_sse))
         .route("/v1/release", post(release))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
+        .merge(probe_routes())
         .route("/metrics", get(metrics))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -695,6 +698,18 @@ mod tests {
             .map(|_| buf)
     }
 
+    /// GET /healthz on a new connection; the whole answer, once the server has closed it.
+    async fn get_healthz(addr: SocketAddr) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let answer = closed_within(&mut s, Duration::from_secs(5))
+            .await
+            .expect("the connection closed after the answer");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
     #[tokio::test]
     async fn the_probe_endpoint_answers_and_closes_idle_and_surplus_connections() {
         let limits = ProbeLimits {
@@ -704,15 +719,7 @@ mod tests {
         };
         let addr = probe_endpoint(limits).await;
         // A probe: one request, an answer, the connection closed.
-        let mut probe = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        probe
-            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .expect("write");
-        let answer = closed_within(&mut probe, Duration::from_secs(5))
-            .await
-            .expect("the probe's connection closed after the answer");
-        let answer = String::from_utf8_lossy(&answer);
+        let answer = get_healthz(addr).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.ends_with("ok"), "{answer}");
         // A peer that connects and says nothing holds the only slot until the header timeout;
@@ -729,15 +736,8 @@ mod tests {
             "the idle connection was not closed by the header timeout"
         );
         // The slot is free again.
-        let mut again = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        again
-            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .expect("write");
-        let answer = closed_within(&mut again, Duration::from_secs(5))
-            .await
-            .expect("answered");
-        assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
+        let answer = get_healthz(addr).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 
     #[tokio::test]

@@ -42,16 +42,7 @@ pub fn helm_path() -> &'static Path {
 
 /// Runs helm against the test cluster; returns (success, stdout, stderr).
 pub fn helm(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm_path())
-        .env("KUBECONFIG", super::kubeconfig_path())
-        .args(args)
-        .output()
-        .expect("running helm");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    super::run_against_cluster(helm_path(), args, "running helm")
 }
 
 /// Runs helm and panics with its output unless it succeeds; returns stdout.

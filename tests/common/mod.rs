@@ -54,17 +54,31 @@ pub async fn client() -> Client {
     client
 }
 
-/// Runs kubectl against the test cluster; returns (success, stdout, stderr).
-pub fn kubectl(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new("kubectl")
+/// Runs `program` against the test cluster (KUBECONFIG set); returns (success, stdout, stderr).
+/// Panics with `missing` when it cannot be started.
+pub fn run_against_cluster(
+    program: impl AsRef<std::ffi::OsStr>,
+    args: &[&str],
+    missing: &str,
+) -> (bool, String, String) {
+    let out = Command::new(program)
         .env("KUBECONFIG", kubeconfig_path())
         .args(args)
         .output()
-        .expect("kubectl must be installed (it is on these machines: /usr/bin/kubectl)");
+        .expect(missing);
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs kubectl against the test cluster; returns (success, stdout, stderr).
+pub fn kubectl(args: &[&str]) -> (bool, String, String) {
+    run_against_cluster(
+        "kubectl",
+        args,
+        "kubectl must be installed (it is on these machines: /usr/bin/kubectl)",
     )
 }
 
