@@ -37,7 +37,7 @@ python3 "$HERE/apiserver_patch.py" "$SRC" "$WORK/metrics.go.new" "$MARK"
 printf '{"Replace": {"%s": "%s"}}\n' \
   "$TREE/$SUB/go/src/k8s.io/kubernetes/vendor/k8s.io/apiserver/pkg/admission/metrics/metrics.go" \
   "$WORK/metrics.go" >"$WORK/overlay.json.new"
-command -v go >/dev/null || apt_install golang-go
+use_go_for_k8s_1_20
 # What the cached binary was built from, besides those two files: the compiler and the tree.
 { go version; ls -l --time-style=+%s "$TREE"/../*.dsc 2>/dev/null || true; } >"$WORK/stamp.new"
 same() { [ -f "$WORK/$1" ] && cmp -s "$WORK/$1" "$WORK/$1.new"; }

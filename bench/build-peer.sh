@@ -24,7 +24,7 @@ if [ ! -f "$SRC" ]; then
   "$HERE/../hack/k8s-binaries.sh" >/dev/null
 fi
 [ -f "$SRC" ] || die "the Kubernetes v$FL_K8S_VERSION source tree is missing ($TREE): hack/k8s-binaries.sh unpacks it when it builds the control plane, which it skips when KUBEBUILDER_ASSETS is set or $FL_CACHE/k8s-$FL_K8S_VERSION/bin is complete; unset KUBEBUILDER_ASSETS or move that bin folder away and run again"
-command -v go >/dev/null || apt_install golang-go
+use_go_for_k8s_1_20
 
 GOPATH_DIR="$OUT_DIR/gopath"
 PKG="$GOPATH_DIR/src/k8s.io/kubernetes/fencedlease-bench-peer"

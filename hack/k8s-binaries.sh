@@ -43,7 +43,7 @@ fi
   die "no Kubernetes binaries in $bin and this is not Debian: set KUBEBUILDER_ASSETS to a folder with etcd and kube-apiserver (setup-envtest use)"
 
 log "building Kubernetes v$FL_K8S_VERSION from Debian's source package (cold: about 5-10 minutes on 2 cores; cached afterwards in $bin)"
-apt_install golang-go rsync etcd-server dpkg-dev golang-github-modern-go-reflect2-dev
+apt_install rsync etcd-server dpkg-dev golang-github-modern-go-reflect2-dev
 
 src_root="$FL_CACHE/k8s-$FL_K8S_VERSION/src"
 tree="$src_root/kubernetes"
@@ -80,6 +80,7 @@ fi
 # GOPATH mode, as Debian's packaging builds it.
 mkdir -p "$tree/.go/src/k8s.io"
 ln -sfn ../../.. "$tree/.go/src/k8s.io/kubernetes"
+use_go_for_k8s_1_20
 targets=()
 for b in "${want[@]}"; do targets+=("cmd/$b"); done
 (

@@ -30,6 +30,15 @@ with_heartbeat() {
   log "$label: done in $((SECONDS - start)) s"
 }
 
+# use_go_for_k8s_1_20: put Debian's Go 1.19 first on PATH (installing it if missing). The 1.20
+# tree builds in GOPATH mode and breaks under newer Go, which may come first on PATH (the
+# machine's /usr/local/go); GOTOOLCHAIN=local keeps Go from fetching another toolchain.
+use_go_for_k8s_1_20() {
+  apt_install golang-1.19-go rsync
+  [ -x /usr/lib/go-1.19/bin/go ] || die "golang-1.19-go installed but /usr/lib/go-1.19/bin/go is missing"
+  export PATH="/usr/lib/go-1.19/bin:$PATH" GOTOOLCHAIN=local
+}
+
 # apt_install PKG...: install Debian packages that are missing (needs root on Debian).
 apt_install() {
   local missing=()
