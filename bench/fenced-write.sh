@@ -6,7 +6,7 @@
 start=$(date +%s%N)
 code=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 10 --cacert "$BENCH_CA" \
   -H "Authorization: Bearer $BENCH_API_TOKEN" -H 'Content-Type: application/merge-patch+json' \
-  -X PATCH --data "{\"metadata\":{\"annotations\":{\"fencedlease.io/token\":\"$FENCEDLEASE_TOKEN\",\"fencedlease.io/lease-uid\":\"$FENCEDLEASE_LEASE_UID\"}},\"data\":{\"writer\":\"$FENCEDLEASE_IDENTITY\"}}" \
+  -X PATCH --data "{\"metadata\":{\"annotations\":{\"fencedlease.io/token\":\"$FENCEDLEASE_TOKEN\",\"fencedlease.io/lease-uid\":\"$FENCEDLEASE_LEASE_UID\",\"fencedlease.io/write-id\":\"$(date +%s%N)-$$\"}},\"data\":{\"writer\":\"$FENCEDLEASE_IDENTITY\"}}" \
   "$BENCH_API/api/v1/namespaces/$FENCEDLEASE_NAMESPACE/configmaps/$BENCH_CM")
 end=$(date +%s%N)
 echo "{\"t_ns\":$end,\"start_ns\":$start,\"identity\":\"$FENCEDLEASE_IDENTITY\",\"event\":\"write\",\"code\":${code:-0},\"token\":$FENCEDLEASE_TOKEN}" >>"$BENCH_WRITES"

@@ -37,13 +37,14 @@ def held_lease(kube: Kube, ns: str, name: str) -> tuple[str, int]:
 
 
 def review_body(ns: str, lease: str, uid: str, token: int) -> bytes:
-    def cm(tok: int) -> dict:
+    def cm(tok: int, write_id: str) -> dict:
         return {"apiVersion": "v1", "kind": "ConfigMap",
                 "metadata": {"name": "inventory", "namespace": ns, "uid": "7d1b1c8e-0f0a-4b9a",
                              "resourceVersion": "1234",
                              "labels": {"fencedlease.io/lease": lease, "app": "shop"},
                              "annotations": {"fencedlease.io/token": str(tok),
-                                             "fencedlease.io/lease-uid": uid}},
+                                             "fencedlease.io/lease-uid": uid,
+                                             "fencedlease.io/write-id": write_id}},
                 "data": {"items": "1", "reservations": "worker-b"}}
 
     return json.dumps({
@@ -54,7 +55,7 @@ def review_body(ns: str, lease: str, uid: str, token: int) -> bytes:
             "resource": {"group": "", "version": "v1", "resource": "configmaps"},
             "name": "inventory", "namespace": ns, "operation": "UPDATE",
             "userInfo": {"username": "system:serviceaccount:shop:worker"},
-            "object": cm(token), "oldObject": cm(token), "dryRun": False,
+            "object": cm(token, "w2"), "oldObject": cm(token, "w1"), "dryRun": False,
         }}).encode()
 
 
@@ -209,7 +210,8 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                 if i == args.updates_warmup:
                     api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
                 for which in ("protected", "plain") if i % 2 == 0 else ("plain", "protected"):
-                    patch = {"metadata": {"annotations": ann}, "data": {"n": f"{r}-{i}"}}
+                    patch = {"metadata": {"annotations": dict(ann, **{"fencedlease.io/write-id": f"{r}-{i}"})},
+                             "data": {"n": f"{r}-{i}"}}
                     status, ns_elapsed = kube.timed("PATCH", f"{cms}/{which}", patch,
                                                     "application/merge-patch+json")
                     if status != 200:

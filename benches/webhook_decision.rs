@@ -12,7 +12,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use fencedlease::fencing::{
-    decide, LeaseView, WriteAttempt, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
+    decide, Exemptions, LeaseView, Mode, Stamp, WriteAttempt, LEASE_LABEL, LEASE_UID_ANNOTATION,
+    TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
 use fencedlease::webhook::admission::{parse, respond, Parsed};
 
@@ -30,10 +31,21 @@ fn attempt<'a>(token: Option<&'a str>, previous: Option<&'a str>) -> WriteAttemp
     WriteAttempt {
         lease_name: "inventory",
         namespace: "shop",
-        token,
-        lease_uid: Some(UID),
-        previous: previous.map(|p| (Some(p), Some(UID))),
+        stamp: Stamp {
+            token,
+            lease_uid: Some(UID),
+            write_id: Some("w2"),
+        },
+        previous: previous.map(|p| Stamp {
+            token: Some(p),
+            lease_uid: Some(UID),
+            write_id: Some("w1"),
+        }),
     }
+}
+
+fn exemptions() -> Exemptions {
+    Exemptions::new(vec!["system:kube-controller-manager".into()], vec![]).expect("exemptions")
 }
 
 /// A ConfigMap as the API server sends it, with managedFields and `data_bytes` of data.
@@ -55,6 +67,7 @@ fn configmap(token: &str, labelled: bool, data_bytes: usize) -> serde_json::Valu
             "annotations": {
                 TOKEN_ANNOTATION: token,
                 LEASE_UID_ANNOTATION: UID,
+                WRITE_ID_ANNOTATION: format!("write-{token}"),
                 "kubectl.kubernetes.io/last-applied-configuration": "{\"apiVersion\":\"v1\",\"kind\":\"ConfigMap\"}"
             },
             "managedFields": [{
@@ -162,6 +175,7 @@ fn bodies() -> Bodies {
 
 fn bench_parse(c: &mut Criterion) {
     let b = bodies();
+    let ex = exemptions();
     let mut g = c.benchmark_group("parse");
     for (name, body) in [
         ("create", &b.create),
@@ -172,7 +186,7 @@ fn bench_parse(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(body.len() as u64));
         g.bench_function(name, |bench| {
             bench.iter(|| {
-                let p = parse(black_box(body));
+                let p = parse(black_box(body), &ex);
                 assert!(!matches!(p, Parsed::Invalid(_)));
                 p
             })
@@ -182,7 +196,7 @@ fn bench_parse(c: &mut Criterion) {
 }
 
 fn judgement(body: &[u8]) -> Box<fencedlease::webhook::admission::Judgement> {
-    match parse(body) {
+    match parse(body, &exemptions()) {
         Parsed::Judge(j) => j,
         other => panic!("expected a protected write, got {other:?}"),
     }
@@ -195,10 +209,10 @@ fn bench_respond(c: &mut Criterion) {
     let stale = judgement(&b.stale_update);
     let mut g = c.benchmark_group("respond");
     g.bench_function("allowed", |bench| {
-        bench.iter(|| respond(black_box(&allowed), black_box(Some(&current))))
+        bench.iter(|| respond(black_box(&allowed), black_box(Some(&current)), Mode::Enforce))
     });
     g.bench_function("refused_stale", |bench| {
-        bench.iter(|| respond(black_box(&stale), black_box(Some(&current))))
+        bench.iter(|| respond(black_box(&stale), black_box(Some(&current)), Mode::Enforce))
     });
     g.finish();
 }
@@ -206,6 +220,7 @@ fn bench_respond(c: &mut Criterion) {
 fn bench_pipeline(c: &mut Criterion) {
     let b = bodies();
     let current = lease(6);
+    let ex = exemptions();
     let mut g = c.benchmark_group("pipeline");
     for (name, body) in [
         ("update_allowed", &b.update_small),
@@ -217,9 +232,10 @@ fn bench_pipeline(c: &mut Criterion) {
             bench.iter_batched(
                 || body.clone(),
                 |body| {
-                    let review = match parse(&body) {
-                        Parsed::Judge(j) => respond(&j, Some(&current)).0.into_review(),
+                    let review = match parse(&body, &ex) {
+                        Parsed::Judge(j) => respond(&j, Some(&current), Mode::Enforce).0.into_review(),
                         Parsed::Pass(r, _) => r.into_review(),
+                        Parsed::Scale(c) => c.response.into_review(),
                         Parsed::Invalid(r) => *r,
                     };
                     serde_json::to_vec(&review).expect("serialize")

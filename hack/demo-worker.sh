@@ -19,8 +19,10 @@ if [ "${items:-0}" -gt 0 ]; then
   # A reservation already under way is finished before honouring a stop, as real apps do.
   trap '' TERM
   sleep "$think"
-  patch=$(printf '{"metadata":{"annotations":{"fencedlease.io/token":"%s","fencedlease.io/lease-uid":"%s"}},"data":{"items":"%s","reservations":"%s"}}' \
-    "$FENCEDLEASE_TOKEN" "$FENCEDLEASE_LEASE_UID" "$((items - 1))" "${reservations:+$reservations }$FENCEDLEASE_IDENTITY")
+  # Every write presents its token itself: the token, the lease uid and a write id never used
+  # before (the webhook refuses an update whose write id is the stored one: its token was inherited).
+  patch=$(printf '{"metadata":{"annotations":{"fencedlease.io/token":"%s","fencedlease.io/lease-uid":"%s","fencedlease.io/write-id":"%s"}},"data":{"items":"%s","reservations":"%s"}}' \
+    "$FENCEDLEASE_TOKEN" "$FENCEDLEASE_LEASE_UID" "$(date +%s%N)-$$" "$((items - 1))" "${reservations:+$reservations }$FENCEDLEASE_IDENTITY")
   if out=$(kubectl -n "$FENCEDLEASE_NAMESPACE" patch configmap "$cm" --type merge -p "$patch" 2>&1); then
     say "writes its reservation: ACCEPTED"
   else

@@ -9,7 +9,11 @@ pub const LEASE_LABEL: &str = "fencedlease.io/lease";
 pub const TOKEN_ANNOTATION: &str = "fencedlease.io/token";
 /// Annotation carrying the lease UID the token belongs to (tokens restart on a re-created lease).
 pub const LEASE_UID_ANNOTATION: &str = "fencedlease.io/lease-uid";
-/// Annotation choosing the mode on a protected object: `enforce` (default) or `warn`.
+/// Annotation carrying a value new on every write (a UUID, say): the proof that the write
+/// presented its token itself rather than inheriting the stored one.
+pub const WRITE_ID_ANNOTATION: &str = "fencedlease.io/write-id";
+/// Annotation on a Namespace choosing the mode for the protected objects in it: `enforce`
+/// (default) or `warn`. Annotations on the protected objects themselves choose nothing.
 pub const MODE_ANNOTATION: &str = "fencedlease.io/fencing";
 
 /// Why a token string is not a token.
@@ -74,7 +78,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// From the mode annotation; anything but `warn` enforces (fail closed).
+    /// From the mode annotation of the object's Namespace (never of the object: its writers
+    /// must not choose how they are judged); anything but `warn` enforces (fail closed).
     pub fn from_annotation(v: Option<&str>) -> Mode {
         match v {
             Some("warn") => Mode::Warn,
@@ -83,17 +88,29 @@ impl Mode {
     }
 }
 
+/// The fencing metadata an object carries: what a writer stamps on every write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stamp<'a> {
+    /// The `fencedlease.io/token` annotation.
+    pub token: Option<&'a str>,
+    /// The `fencedlease.io/lease-uid` annotation.
+    pub lease_uid: Option<&'a str>,
+    /// The `fencedlease.io/write-id` annotation: new on every write, so that a write which does
+    /// not stamp (kubectl label, a code path that forgets) cannot pass with the token an
+    /// earlier write left on the object.
+    pub write_id: Option<&'a str>,
+}
+
 /// A write to judge.
 #[derive(Clone, Debug)]
 pub struct WriteAttempt<'a> {
     pub lease_name: &'a str,
     pub namespace: &'a str,
-    /// The token annotation on the new object.
-    pub token: Option<&'a str>,
-    /// The lease-uid annotation on the new object.
-    pub lease_uid: Option<&'a str>,
-    /// On update, the token and lease uid the stored object carries (the highest accepted).
-    pub previous: Option<(Option<&'a str>, Option<&'a str>)>,
+    /// The stamp on the object as it would be stored.
+    pub stamp: Stamp<'a>,
+    /// On update, the stamp of the stored object. A token counts as presented by this write
+    /// only if the write also sets a write id other than this one.
+    pub previous: Option<Stamp<'a>>,
 }
 
 /// Why a write is refused. Each has its own message and metric label.
@@ -102,6 +119,8 @@ pub enum Refusal {
     MissingToken,
     MissingLeaseUid,
     MalformedToken(TokenError),
+    /// An update whose write id is absent or the stored one: its token was inherited.
+    NotPresented,
     NoLease,
     LeaseFree {
         current: i64,
@@ -113,10 +132,6 @@ pub enum Refusal {
         presented: i64,
         current: i64,
         holder: Option<String>,
-    },
-    Regressed {
-        presented: i64,
-        stored: i64,
     },
     Future {
         presented: i64,
@@ -131,16 +146,18 @@ impl Refusal {
         match self {
             Refusal::MissingToken | Refusal::MissingLeaseUid => "denied_missing",
             Refusal::MalformedToken(_) => "denied_malformed",
+            Refusal::NotPresented => "denied_not_presented",
             Refusal::NoLease => "denied_no_lease",
             Refusal::LeaseFree { .. } => "denied_free",
-            Refusal::OtherLeaseIncarnation { .. }
-            | Refusal::Stale { .. }
-            | Refusal::Regressed { .. } => "denied_stale",
+            Refusal::OtherLeaseIncarnation { .. } | Refusal::Stale { .. } => "denied_stale",
             Refusal::Future { .. } => "denied_future",
         }
     }
 
-    /// Could a lagging cache explain this refusal? Then confirm with a fresh read first.
+    /// Could a view of the lease that lags behind explain this refusal? Then it is decided
+    /// again on a fresh read. The others hold whatever the lease is now: a token below a
+    /// generation the lease has reached stays below it (generations never go down within one
+    /// lease uid), and what the write itself lacks no read can supply.
     pub fn may_be_cache_lag(&self) -> bool {
         matches!(
             self,
@@ -155,16 +172,23 @@ impl Refusal {
     /// current, and what to do.
     pub fn message(&self, w: &WriteAttempt<'_>) -> String {
         let lease = format!("FencedLease {}/{}", w.namespace, w.lease_name);
-        let presented = w.token.unwrap_or("none");
+        let presented = w.stamp.token.unwrap_or("none");
         match self {
             Refusal::MissingToken => format!(
-                "fencedlease: this object is protected by {lease} (label {LEASE_LABEL}); the write must carry the holder's token in annotation {TOKEN_ANNOTATION} (and the lease uid in {LEASE_UID_ANNOTATION})"
+                "fencedlease: this object is protected by {lease} (label {LEASE_LABEL}); every write must carry the holder's token in annotation {TOKEN_ANNOTATION}, the lease uid in {LEASE_UID_ANNOTATION} and a new {WRITE_ID_ANNOTATION}"
             ),
             Refusal::MissingLeaseUid => format!(
                 "fencedlease: the write presents token {presented} for {lease} but no {LEASE_UID_ANNOTATION} annotation; add the lease uid (FENCEDLEASE_LEASE_UID) so that a token of a deleted lease cannot pass"
             ),
             Refusal::MalformedToken(e) => format!(
                 "fencedlease: annotation {TOKEN_ANNOTATION}={presented:?} is not a fencing token: {e}; use the decimal token of {lease} exactly as handed out"
+            ),
+            Refusal::NotPresented => format!(
+                "fencedlease: this update of an object protected by {lease} does not present a token of its own: annotation {WRITE_ID_ANNOTATION} is {}, so token {presented} was left by an earlier write; set {TOKEN_ANNOTATION}, {LEASE_UID_ANNOTATION} and a new {WRITE_ID_ANNOTATION} (any value not used before, e.g. a UUID) in the write itself (kubectl label/annotate/edit and tools that do not stamp are refused here by design)",
+                match w.stamp.write_id {
+                    Some(id) if !id.is_empty() => format!("unchanged ({id:?})"),
+                    _ => "absent".to_string(),
+                }
             ),
             Refusal::NoLease => format!(
                 "fencedlease: this object is protected by {lease}, which does not exist; create it (or fix label {LEASE_LABEL}: it names a lease in the object's own namespace)"
@@ -174,14 +198,11 @@ impl Refusal {
             ),
             Refusal::OtherLeaseIncarnation { current_uid } => format!(
                 "fencedlease: stale token {presented}: it belongs to an earlier {lease} (uid {}), which was deleted; the lease now has uid {current_uid}",
-                w.lease_uid.unwrap_or("none")
+                w.stamp.lease_uid.unwrap_or("none")
             ),
             Refusal::Stale { presented, current, holder } => format!(
                 "fencedlease: stale token {presented}: {lease} has moved on to token {current}, held by {}; this writer was replaced and must stop",
                 holder.as_deref().unwrap_or("nobody")
-            ),
-            Refusal::Regressed { presented, stored } => format!(
-                "fencedlease: stale token {presented}: this object already carries token {stored} from a later holder of {lease}; tokens on an object never go down"
             ),
             Refusal::Future { presented, current, holder } => format!(
                 "fencedlease: token {presented} is ahead of {lease}, whose current token is {current} (held by {}); it was not handed out",
@@ -198,18 +219,36 @@ pub enum Verdict {
     Refuse(Refusal),
 }
 
-/// The fencing rule. `lease` is None when the lease does not exist (as far as the caller knows).
+/// Checks what the write itself must carry, before any lease is consulted.
+fn check_presented<'a>(w: &WriteAttempt<'a>) -> Result<(i64, &'a str), Refusal> {
+    use Refusal::*;
+    let raw = w.stamp.token.ok_or(MissingToken)?;
+    let presented = parse_token(raw).map_err(MalformedToken)?;
+    let uid = w
+        .stamp
+        .lease_uid
+        .filter(|u| !u.is_empty())
+        .ok_or(MissingLeaseUid)?;
+    if let Some(prev) = &w.previous {
+        match w.stamp.write_id.filter(|id| !id.is_empty()) {
+            Some(id) if Some(id) != prev.write_id => {}
+            _ => return Err(NotPresented),
+        }
+    }
+    Ok((presented, uid))
+}
+
+/// The fencing rule. `lease` is None when the lease does not exist (as far as the caller
+/// knows). A write is allowed only if it presents, itself, the current generation of the
+/// lease's current incarnation while someone holds it. Given a view of the lease read after
+/// the write arrived, that also means the write's token is at least every token the lease
+/// ever handed out, so no object can be moved back to an older holder's token; tokens that
+/// were never handed out (stored while the namespace was in warn mode) count for nothing.
 pub fn decide(w: &WriteAttempt<'_>, lease: Option<&LeaseView>) -> Verdict {
     use Refusal::*;
-    let Some(raw) = w.token else {
-        return Verdict::Refuse(MissingToken);
-    };
-    let presented = match parse_token(raw) {
-        Ok(t) => t,
-        Err(e) => return Verdict::Refuse(MalformedToken(e)),
-    };
-    let Some(uid) = w.lease_uid.filter(|u| !u.is_empty()) else {
-        return Verdict::Refuse(MissingLeaseUid);
+    let (presented, uid) = match check_presented(w) {
+        Ok(p) => p,
+        Err(r) => return Verdict::Refuse(r),
     };
     let Some(lease) = lease else {
         return Verdict::Refuse(NoLease);
@@ -220,36 +259,102 @@ pub fn decide(w: &WriteAttempt<'_>, lease: Option<&LeaseView>) -> Verdict {
         });
     }
     let holder = lease.holder.clone().filter(|h| !h.is_empty());
-    if presented < lease.generation {
+    let current = lease.generation;
+    if presented < current {
         return Verdict::Refuse(Stale {
             presented,
-            current: lease.generation,
+            current,
             holder,
         });
     }
-    if presented > lease.generation {
+    if presented > current {
         return Verdict::Refuse(Future {
             presented,
-            current: lease.generation,
+            current,
             holder,
         });
     }
     if holder.is_none() {
-        return Verdict::Refuse(LeaseFree {
-            current: lease.generation,
-        });
-    }
-    // The backstop: never lower than what the object already carries from the same lease
-    // incarnation, even if this view of the lease lags behind (the API server serializes
-    // updates of one object, so this comparison is exact).
-    if let Some((Some(prev_token), prev_uid)) = w.previous {
-        if let Ok(stored) = parse_token(prev_token) {
-            if prev_uid == Some(uid) && presented < stored {
-                return Verdict::Refuse(Regressed { presented, stored });
-            }
-        }
+        return Verdict::Refuse(LeaseFree { current });
     }
     Verdict::Allow
+}
+
+/// Writers trusted to change protected objects without a token, as long as they leave the
+/// fencing metadata alone: Kubernetes' own controllers (revision annotations, finalizers,
+/// ownerReferences, status, /scale from the HPA). Exact names only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exemptions {
+    users: Vec<String>,
+    groups: Vec<String>,
+}
+
+/// The identities of kube-controller-manager that write to objects users protect: its own
+/// user, and the ServiceAccounts its controllers use with --use-service-account-credentials.
+pub const DEFAULT_EXEMPT_USERS: &[&str] = &[
+    "system:kube-controller-manager",
+    "system:serviceaccount:kube-system:deployment-controller",
+    "system:serviceaccount:kube-system:statefulset-controller",
+    "system:serviceaccount:kube-system:replicaset-controller",
+    "system:serviceaccount:kube-system:daemon-set-controller",
+    "system:serviceaccount:kube-system:job-controller",
+    "system:serviceaccount:kube-system:cronjob-controller",
+    "system:serviceaccount:kube-system:generic-garbage-collector",
+    "system:serviceaccount:kube-system:horizontal-pod-autoscaler",
+];
+
+/// Why an exemption is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ExemptionError {
+    #[error("exempt writer {0:?}: names must be exact (no wildcards, no empty names)")]
+    NotExact(String),
+    #[error("exempt group {0:?} takes in ordinary users or workloads' ServiceAccounts; name the controllers' own users instead")]
+    BroadGroup(String),
+    #[error("exempt user {0:?} is a ServiceAccount outside kube-system, which a workload could run as; only kube-system's controllers can be exempt")]
+    WorkloadServiceAccount(String),
+}
+
+impl ExemptionError {
+    pub fn metric_label(&self) -> &'static str {
+        "bad_exemption"
+    }
+}
+
+impl Exemptions {
+    /// Checks that no workload's identity can qualify: exact names, no group that holds
+    /// ServiceAccounts or all users, no ServiceAccount outside kube-system.
+    pub fn new(users: Vec<String>, groups: Vec<String>) -> Result<Exemptions, ExemptionError> {
+        let exact = |n: &String| !n.is_empty() && !n.contains('*') && n.trim() == n;
+        for u in &users {
+            if !exact(u) {
+                return Err(ExemptionError::NotExact(u.clone()));
+            }
+            if let Some(rest) = u.strip_prefix("system:serviceaccount:") {
+                if !rest.starts_with("kube-system:") {
+                    return Err(ExemptionError::WorkloadServiceAccount(u.clone()));
+                }
+            }
+        }
+        for g in &groups {
+            if !exact(g) {
+                return Err(ExemptionError::NotExact(g.clone()));
+            }
+            let broad = matches!(
+                g.as_str(),
+                "system:authenticated" | "system:unauthenticated" | "system:serviceaccounts"
+            ) || g.starts_with("system:serviceaccounts:");
+            if broad {
+                return Err(ExemptionError::BroadGroup(g.clone()));
+            }
+        }
+        Ok(Exemptions { users, groups })
+    }
+
+    /// Is this writer exempt?
+    pub fn covers(&self, username: &str, groups: &[String]) -> bool {
+        self.users.iter().any(|u| u == username)
+            || groups.iter().any(|g| self.groups.contains(g))
+    }
 }
 
 #[cfg(test)]
@@ -264,13 +369,27 @@ mod tests {
             holder: holder.map(str::to_string),
         }
     }
+    fn stamp<'a>(token: Option<&'a str>, uid: Option<&'a str>, id: Option<&'a str>) -> Stamp<'a> {
+        Stamp {
+            token,
+            lease_uid: uid,
+            write_id: id,
+        }
+    }
     fn attempt<'a>(token: Option<&'a str>, uid: Option<&'a str>) -> WriteAttempt<'a> {
         WriteAttempt {
             lease_name: "inventory",
             namespace: "shop",
-            token,
-            lease_uid: uid,
+            stamp: stamp(token, uid, None),
             previous: None,
+        }
+    }
+    fn update<'a>(new: Stamp<'a>, old: Stamp<'a>) -> WriteAttempt<'a> {
+        WriteAttempt {
+            lease_name: "inventory",
+            namespace: "shop",
+            stamp: new,
+            previous: Some(old),
         }
     }
 
@@ -376,25 +495,66 @@ mod tests {
     }
 
     #[test]
-    fn an_object_never_accepts_a_lower_token_from_the_same_lease() {
-        let mut w = attempt(Some("4"), Some("u1"));
-        w.previous = Some((Some("7"), Some("u1")));
-        // Even if the lease view were (wrongly) at 4, the stored 7 wins.
+    fn an_update_must_present_its_token_with_a_new_write_id() {
+        let cur = lease(5, Some("b"));
+        let old = stamp(Some("5"), Some("u1"), Some("w1"));
+        let table = [
+            // kubectl label, a forgotten stamp: the stored token and write id are inherited.
+            (stamp(Some("5"), Some("u1"), Some("w1")), false),
+            // A write id that is absent or empty presents nothing either.
+            (stamp(Some("5"), Some("u1"), None), false),
+            (stamp(Some("5"), Some("u1"), Some("")), false),
+            // A new write id with the current token: presented.
+            (stamp(Some("5"), Some("u1"), Some("w2")), true),
+        ];
+        for (new, allowed) in table {
+            let want = if allowed {
+                Verdict::Allow
+            } else {
+                Verdict::Refuse(Refusal::NotPresented)
+            };
+            assert_eq!(decide(&update(new, old), Some(&cur)), want, "{new:?}");
+        }
+        // A stored object without any write id (written before write ids): a new one counts.
+        let bare = stamp(Some("5"), Some("u1"), None);
         assert_eq!(
-            decide(&w, Some(&lease(4, Some("a")))),
-            Verdict::Refuse(Refusal::Regressed {
-                presented: 4,
-                stored: 7
+            decide(
+                &update(stamp(Some("5"), Some("u1"), Some("w")), bare),
+                Some(&cur)
+            ),
+            Verdict::Allow
+        );
+    }
+
+    #[test]
+    fn stored_tokens_count_for_nothing_but_the_lease_decides() {
+        let cur = lease(5, Some("b"));
+        // A forged high token stored in warn mode does not lock out the holder (hole 7).
+        let forged = stamp(Some("900"), Some("u1"), Some("w1"));
+        assert_eq!(
+            decide(
+                &update(stamp(Some("5"), Some("u1"), Some("w2")), forged),
+                Some(&cur)
+            ),
+            Verdict::Allow
+        );
+        // A token of a newer lease incarnation on the object cannot be overwritten by the
+        // older incarnation's holder: the lease (read after the write arrived) names the uid.
+        let newer = stamp(Some("1"), Some("u2"), Some("w1"));
+        let u2 = LeaseView {
+            uid: "u2".into(),
+            generation: 1,
+            holder: Some("c".into()),
+        };
+        assert_eq!(
+            decide(
+                &update(stamp(Some("5"), Some("u1"), Some("w2")), newer),
+                Some(&u2)
+            ),
+            Verdict::Refuse(Refusal::OtherLeaseIncarnation {
+                current_uid: "u2".into()
             })
         );
-        // A token from a re-created lease (new uid) is judged against that lease alone.
-        let mut w = attempt(Some("2"), Some("u1"));
-        w.previous = Some((Some("7"), Some("u0")));
-        assert_eq!(decide(&w, Some(&lease(2, Some("a")))), Verdict::Allow);
-        // A malformed stored token does not block the current holder.
-        let mut w = attempt(Some("5"), Some("u1"));
-        w.previous = Some((Some("junk"), Some("u1")));
-        assert_eq!(decide(&w, Some(&lease(5, Some("a")))), Verdict::Allow);
     }
 
     #[test]
@@ -413,10 +573,11 @@ mod tests {
         }
         .may_be_cache_lag());
         assert!(!Refusal::MissingToken.may_be_cache_lag());
+        assert!(!Refusal::NotPresented.may_be_cache_lag());
     }
 
     #[test]
-    fn messages_name_the_lease_and_the_tokens() {
+    fn messages_name_the_lease_and_the_tokens_and_what_to_do() {
         let w = attempt(Some("4"), Some("u1"));
         let m = Refusal::Stale {
             presented: 4,
@@ -431,9 +592,48 @@ mod tests {
                 && m.contains("pod-b"),
             "{m}"
         );
+        let w = update(
+            stamp(Some("4"), Some("u1"), Some("w1")),
+            stamp(Some("4"), Some("u1"), Some("w1")),
+        );
+        let m = Refusal::NotPresented.message(&w);
+        assert!(
+            m.contains(WRITE_ID_ANNOTATION) && m.contains("unchanged"),
+            "{m}"
+        );
         assert_eq!(Mode::from_annotation(Some("warn")), Mode::Warn);
         assert_eq!(Mode::from_annotation(Some("WARN")), Mode::Enforce);
         assert_eq!(Mode::from_annotation(None), Mode::Enforce);
+    }
+
+    #[test]
+    fn exemptions_take_exact_controller_names_only() {
+        let users = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ok = Exemptions::new(users(DEFAULT_EXEMPT_USERS), vec![]).expect("defaults");
+        assert!(ok.covers(
+            "system:serviceaccount:kube-system:generic-garbage-collector",
+            &[]
+        ));
+        assert!(!ok.covers("system:serviceaccount:shop:generic-garbage-collector", &[]));
+        assert!(!ok.covers(
+            "alice",
+            &users(&["system:authenticated", "system:serviceaccounts"])
+        ));
+        let table: &[(&[&str], &[&str], Option<ExemptionError>)] = &[
+            (&["system:serviceaccount:shop:app"], &[], Some(ExemptionError::WorkloadServiceAccount("system:serviceaccount:shop:app".into()))),
+            (&["system:serviceaccount:*"], &[], Some(ExemptionError::NotExact("system:serviceaccount:*".into()))),
+            (&[""], &[], Some(ExemptionError::NotExact("".into()))),
+            (&[], &["system:serviceaccounts"], Some(ExemptionError::BroadGroup("system:serviceaccounts".into()))),
+            (&[], &["system:serviceaccounts:shop"], Some(ExemptionError::BroadGroup("system:serviceaccounts:shop".into()))),
+            (&[], &["system:authenticated"], Some(ExemptionError::BroadGroup("system:authenticated".into()))),
+            (&[], &["ops-controllers"], None),
+        ];
+        for (u, g, want) in table {
+            let got = Exemptions::new(users(u), users(g)).err();
+            assert_eq!(&got, want, "{u:?} {g:?}");
+        }
+        let g = Exemptions::new(vec![], users(&["ops-controllers"])).expect("group");
+        assert!(g.covers("bot", &users(&["x", "ops-controllers"])));
     }
 
     proptest! {
@@ -447,22 +647,28 @@ mod tests {
             }
         }
 
+        /// The promise, as a property: allowed exactly when the write itself presents the
+        /// current generation of the current incarnation of a held lease; whatever the stored
+        /// object carries (any token, any uid) never lets a write through nor locks one out.
         #[test]
-        fn only_the_current_token_of_a_held_lease_is_allowed(
+        fn only_the_current_token_presented_by_the_write_is_allowed(
             presented in 1i64..20, generation in 1i64..20, held in any::<bool>(),
-            same_uid in any::<bool>(), stored in proptest::option::of(1i64..20),
+            same_uid in any::<bool>(), stored in proptest::option::of(1i64..2000),
+            stored_uid in proptest::option::of(prop_oneof!["u0", "u1", "u2"]),
+            new_id in proptest::option::of("[a-c]{0,2}"), old_id in proptest::option::of("[a-c]{0,2}"),
+            is_update in any::<bool>(),
         ) {
             let t = presented.to_string();
             let st = stored.map(|s| s.to_string());
             let w = WriteAttempt {
-                lease_name: "l", namespace: "n", token: Some(&t),
-                lease_uid: Some(if same_uid { "u1" } else { "u0" }),
-                previous: Some((st.as_deref(), Some("u1"))),
+                lease_name: "l", namespace: "n",
+                stamp: stamp(Some(&t), Some(if same_uid { "u1" } else { "u0" }), new_id.as_deref()),
+                previous: is_update.then(|| stamp(st.as_deref(), stored_uid.as_deref(), old_id.as_deref())),
             };
             let l = lease(generation, held.then_some("h"));
             let v = decide(&w, Some(&l));
-            let want_allow = presented == generation && held && same_uid
-                && stored.is_none_or(|s| presented >= s || !same_uid);
+            let fresh_id = new_id.as_deref().is_some_and(|n| !n.is_empty() && Some(n) != old_id.as_deref());
+            let want_allow = presented == generation && held && same_uid && (!is_update || fresh_id);
             prop_assert_eq!(v == Verdict::Allow, want_allow, "{:?}", v);
         }
     }

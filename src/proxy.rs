@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::fencing::{LEASE_UID_ANNOTATION, TOKEN_ANNOTATION};
+use crate::fencing::{LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
@@ -62,7 +62,26 @@ pub fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
     }
 }
 
-/// Adds the token annotations to a JSON object body (a full object or a merge patch).
+/// A write id never used before by this process: the token, the process id, the time the
+/// process started and a counter. It only has to differ from the one stored on the object; it
+/// proves that this write stamped the token itself.
+pub fn new_write_id(token: &FencingToken) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static START: OnceLock<i128> = OnceLock::new();
+    let start = START.get_or_init(|| jiff::Timestamp::now().as_nanosecond());
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "{}-{}-{:x}-{n}",
+        token.generation,
+        std::process::id(),
+        start
+    )
+}
+
+/// Adds the token annotations and a new write id to a JSON object body (a full object or a
+/// merge patch).
 pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
@@ -78,6 +97,7 @@ pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
         .ok_or("metadata.annotations is not an object")?;
     ann.insert(TOKEN_ANNOTATION.into(), json!(token.generation.to_string()));
     ann.insert(LEASE_UID_ANNOTATION.into(), json!(token.lease_uid));
+    ann.insert(WRITE_ID_ANNOTATION.into(), json!(new_write_id(token)));
     serde_json::to_vec(&v).map_err(|e| e.to_string())
 }
 
@@ -246,11 +266,12 @@ mod tests {
     }
 
     #[test]
-    fn stamping_adds_both_annotations_and_overrides_what_the_app_sent() {
+    fn stamping_adds_the_annotations_with_a_new_write_id_and_overrides_what_the_app_sent() {
         let t = FencingToken {
             lease_uid: "u1".into(),
             generation: 9,
         };
+        let mut ids = Vec::new();
         for body in [
             r#"{"data":{"a":"1"}}"#,
             r#"{"metadata":{"annotations":null}}"#,
@@ -260,7 +281,13 @@ mod tests {
                 serde_json::from_slice(&stamp(body.as_bytes(), &t).expect("stamp")).expect("json");
             assert_eq!(out["metadata"]["annotations"][TOKEN_ANNOTATION], "9");
             assert_eq!(out["metadata"]["annotations"][LEASE_UID_ANNOTATION], "u1");
+            ids.push(out["metadata"]["annotations"][WRITE_ID_ANNOTATION].clone());
         }
+        // Every write presents a write id of its own.
+        assert!(ids.iter().all(|id| id.as_str().is_some_and(|s| s.starts_with("9-"))), "{ids:?}");
+        ids.sort_by_key(|v| v.to_string());
+        ids.dedup();
+        assert_eq!(ids.len(), 3, "write ids repeat: {ids:?}");
         for bad in [
             "",
             "[]",

@@ -1622,7 +1622,8 @@ async fn a_frozen_leader_is_replaced_and_its_stale_write_is_refused_after_it_tha
             "metadata": {
                 "name": "inventory",
                 "labels": {LEASE_LABEL: LEASE},
-                "annotations": {"fencedlease.io/token": token.to_string(), "fencedlease.io/lease-uid": uid}
+                "annotations": {"fencedlease.io/token": token.to_string(), "fencedlease.io/lease-uid": uid,
+                    "fencedlease.io/write-id": common::new_write_id()}
             },
             "data": {"reserved-by": by}
         }))

@@ -19,13 +19,14 @@ use tokio::sync::Mutex;
 const LEASE: &str = "fencedlease.io/lease";
 const TOKEN: &str = "fencedlease.io/token";
 const UID: &str = "fencedlease.io/lease-uid";
+const WRITE_ID: &str = "fencedlease.io/write-id";
 
 /// A racing writer's attempt: the token it presented, and the resourceVersion it produced or
 /// the refusal it got.
 type WriteOutcome = (i64, Result<u64, String>);
 
 /// A fenced write: a merge patch (no resourceVersion, like a blind writer) of data plus the
-/// writer's token. Returns the error message on refusal.
+/// writer's token and a new write id. Returns the error message on refusal.
 async fn fenced_patch(
     cms: &Api<ConfigMap>,
     name: &str,
@@ -34,7 +35,7 @@ async fn fenced_patch(
     data: serde_json::Value,
 ) -> Result<ConfigMap, String> {
     let patch = serde_json::json!({
-        "metadata": {"annotations": {TOKEN: token, UID: uid}},
+        "metadata": {"annotations": {TOKEN: token, UID: uid, WRITE_ID: common::new_write_id()}},
         "data": data,
     });
     cms.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -419,7 +420,8 @@ async fn every_bad_token_is_refused_with_its_own_message() {
 }
 
 #[tokio::test]
-async fn warn_mode_allows_with_a_warning_and_fails_closed_when_the_webhook_is_down() {
+async fn warn_mode_of_the_namespace_allows_with_a_warning_and_fails_closed_when_the_webhook_is_down(
+) {
     let client = client().await;
     ensure_crd();
     let ns = TestNamespace::new(&client, "warn").await;
@@ -436,16 +438,19 @@ async fn warn_mode_allows_with_a_warning_and_fails_closed_when_the_webhook_is_do
         lease.token().expect("gen").to_string(),
         lease.metadata.uid.clone().expect("uid"),
     );
-    let mut cm = protected_cm("rollout", "inv", &g, &uid, serde_json::json!({"v": "1"}));
-    cm.metadata
-        .annotations
-        .get_or_insert_default()
-        .insert("fencedlease.io/fencing".into(), "warn".into());
+    let cm = protected_cm("rollout", "inv", &g, &uid, serde_json::json!({"v": "1"}));
     Api::<ConfigMap>::namespaced(client.clone(), &ns.name)
         .create(&PostParams::default(), &cm)
         .await
-        .expect("create in warn mode");
-    // A forged write in warn mode lands, with a warning kubectl shows.
+        .expect("create");
+    let (ok, _, err) = kubectl(&[
+        "annotate",
+        "namespace",
+        &ns.name,
+        "fencedlease.io/fencing=warn",
+    ]);
+    assert!(ok, "{err}");
+    // A forged write in a warn-mode namespace lands, with a warning kubectl shows.
     let (ok, _, stderr) = kubectl(&[
         "annotate",
         "-n",
@@ -454,6 +459,7 @@ async fn warn_mode_allows_with_a_warning_and_fails_closed_when_the_webhook_is_do
         "rollout",
         "--overwrite",
         "fencedlease.io/token=99",
+        &format!("{WRITE_ID}={}", common::new_write_id()),
     ]);
     assert!(ok, "warn mode must allow: {stderr}");
     assert!(

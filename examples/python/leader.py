@@ -37,7 +37,8 @@ def follow():
 
 def work(token, lease_uid):
     # Replace with your write. With kubectl, for a protected object:
-    #   kubectl annotate ... fencedlease.io/token=<token> fencedlease.io/lease-uid=<uid>
+    #   kubectl annotate ... fencedlease.io/token=<token> fencedlease.io/lease-uid=<uid> \
+    #       fencedlease.io/write-id=<something new, e.g. uuid.uuid4().hex>
     print(f"work with token {token} (lease uid {lease_uid})", flush=True)
 
 

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import urllib.request
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kube import Kube  # noqa: E402
@@ -73,6 +74,7 @@ def main():
             ann = cm["metadata"].setdefault("annotations", {})
             ann["fencedlease.io/token"] = token
             ann["fencedlease.io/lease-uid"] = uid
+            ann["fencedlease.io/write-id"] = uuid.uuid4().hex
             rec["read_rv"] = int(cm["metadata"]["resourceVersion"])
             rec["t_send"] = now()
             # The intent first: if this process dies before the answer, the write is ambiguous.

@@ -8,8 +8,8 @@ use kube::core::{DynamicObject, Status, TypeMeta};
 use serde::Deserialize;
 
 use crate::fencing::{
-    decide, LeaseView, Mode, Refusal, Verdict, WriteAttempt, LEASE_LABEL, LEASE_UID_ANNOTATION,
-    MODE_ANNOTATION, TOKEN_ANNOTATION,
+    decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt, LEASE_LABEL,
+    LEASE_UID_ANNOTATION, MODE_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
 
 /// The largest request body read; an AdmissionReview for an update carries two objects of at
@@ -19,12 +19,41 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// What the webhook must decide about one request.
 #[derive(Debug)]
 pub enum Parsed {
-    /// Not ours to judge (delete, connect, a subresource, an unlabelled object): allow.
+    /// Not ours to judge (delete, connect, an unlabelled object, an exempt writer): allow.
     Pass(Box<AdmissionResponse>, &'static str),
     /// A protected write: look up the lease and decide.
     Judge(Box<Judgement>),
+    /// A write through /scale: allowed only if the object it scales is not protected.
+    Scale(Box<ScaleCheck>),
     /// Unreadable or impossible: answer with this refusing review.
     Invalid(Box<AdmissionReview<DynamicObject>>),
+}
+
+/// The fencing metadata of an object, owned.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OwnedStamp {
+    pub token: Option<String>,
+    pub lease_uid: Option<String>,
+    pub write_id: Option<String>,
+}
+
+impl OwnedStamp {
+    fn of(o: &ObjectIn) -> OwnedStamp {
+        let a = |k| annotation(o, k).map(str::to_string);
+        OwnedStamp {
+            token: a(TOKEN_ANNOTATION),
+            lease_uid: a(LEASE_UID_ANNOTATION),
+            write_id: a(WRITE_ID_ANNOTATION),
+        }
+    }
+
+    fn borrow(&self) -> Stamp<'_> {
+        Stamp {
+            token: self.token.as_deref(),
+            lease_uid: self.lease_uid.as_deref(),
+            write_id: self.write_id.as_deref(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -32,10 +61,10 @@ pub struct Judgement {
     pub response: AdmissionResponse,
     pub namespace: String,
     pub lease_name: String,
-    pub token: Option<String>,
-    pub lease_uid: Option<String>,
-    pub previous: Option<(Option<String>, Option<String>)>,
-    pub mode: Mode,
+    pub stamp: OwnedStamp,
+    pub previous: Option<OwnedStamp>,
+    /// The subresource written, if any (`status`): named in refusals.
+    pub subresource: Option<String>,
 }
 
 impl Judgement {
@@ -43,13 +72,36 @@ impl Judgement {
         WriteAttempt {
             lease_name: &self.lease_name,
             namespace: &self.namespace,
-            token: self.token.as_deref(),
-            lease_uid: self.lease_uid.as_deref(),
-            previous: self
-                .previous
-                .as_ref()
-                .map(|(t, u)| (t.as_deref(), u.as_deref())),
+            stamp: self.stamp.borrow(),
+            previous: self.previous.as_ref().map(OwnedStamp::borrow),
         }
+    }
+}
+
+/// A write through a /scale subresource. A Scale object carries no labels and no annotations,
+/// so no token can be presented: the webhook reads the scaled object and refuses if it is
+/// protected.
+#[derive(Debug)]
+pub struct ScaleCheck {
+    pub response: AdmissionResponse,
+    pub namespace: String,
+    pub name: String,
+    pub group: String,
+    pub version: String,
+    pub resource: String,
+}
+
+impl ScaleCheck {
+    /// The refusal for a protected object.
+    pub fn refuse(&self, lease: &str) -> AdmissionResponse {
+        let msg = format!(
+            "fencedlease: {}/{} {}/{} is protected by FencedLease {}/{lease} (label {LEASE_LABEL}); a write through /scale cannot carry a fencing token, so it is refused; change the replicas with a fenced write of the object itself ({TOKEN_ANNOTATION}, {LEASE_UID_ANNOTATION} and a new {WRITE_ID_ANNOTATION})",
+            self.resource, "scale", self.namespace, self.name, self.namespace
+        );
+        let mut resp = self.response.clone();
+        resp.allowed = false;
+        resp.result = Status::failure(&msg, "Conflict").with_code(409);
+        resp
     }
 }
 
@@ -62,8 +114,8 @@ pub fn unreadable(reason: &str) -> AdmissionReview<DynamicObject> {
 }
 
 /// The parts of an AdmissionReview that the fencing decision reads. Everything else (the
-/// objects' data, spec, status and managedFields, the user info) is skipped by the parser without
-/// being built: reading the review is most of the webhook's work per request.
+/// objects' data, spec, status and managedFields, the user's extra info) is skipped by the
+/// parser without being built: reading the review is most of the webhook's work per request.
 #[derive(Deserialize)]
 struct ReviewIn {
     #[serde(rename = "apiVersion", default)]
@@ -78,13 +130,37 @@ struct RequestIn {
     uid: String,
     operation: Operation,
     #[serde(default)]
+    resource: ResourceIn,
+    #[serde(default)]
     sub_resource: Option<String>,
     #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
     namespace: Option<String>,
+    #[serde(default)]
+    user_info: UserIn,
     #[serde(default)]
     object: Option<ObjectIn>,
     #[serde(default)]
     old_object: Option<ObjectIn>,
+}
+
+#[derive(Deserialize, Default)]
+struct ResourceIn {
+    #[serde(default)]
+    group: String,
+    #[serde(default)]
+    version: String,
+    #[serde(default)]
+    resource: String,
+}
+
+#[derive(Deserialize, Default)]
+struct UserIn {
+    #[serde(default)]
+    username: String,
+    #[serde(default)]
+    groups: Vec<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -132,7 +208,7 @@ fn allowing(api_version: &str, uid: &str) -> AdmissionResponse {
 }
 
 /// Parses a request body into what must be decided, or the review to answer at once.
-pub fn parse(body: &[u8]) -> Parsed {
+pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
     let invalid = |r: AdmissionReview<DynamicObject>| Parsed::Invalid(Box::new(r));
     let review: ReviewIn = match serde_json::from_slice(body) {
         Ok(r) => r,
@@ -146,19 +222,53 @@ pub fn parse(body: &[u8]) -> Parsed {
         .filter(|v| !v.is_empty())
         .unwrap_or_else(|| "admission.k8s.io/v1".to_string());
     let response = allowing(&api_version, &req.uid);
-    if req.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Parsed::Pass(Box::new(response), "subresource");
+    let pass = |why| Parsed::Pass(Box::new(response.clone()), why);
+    if !matches!(req.operation, Operation::Create | Operation::Update) {
+        return pass("not_a_write");
     }
-    let (new, old) = match req.operation {
-        Operation::Create | Operation::Update => (req.object.as_ref(), req.old_object.as_ref()),
-        _ => return Parsed::Pass(Box::new(response), "not_a_write"),
+    let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
+    let sub = req.sub_resource.clone().filter(|s| !s.is_empty());
+    if sub.as_deref() == Some("scale") {
+        return if writer_exempt {
+            pass("exempt")
+        } else {
+            scale_check(req, response)
+        };
+    }
+    parse_write(req, sub, response, writer_exempt)
+}
+
+fn scale_check(req: RequestIn, response: AdmissionResponse) -> Parsed {
+    let (Some(namespace), Some(name)) = (
+        req.namespace.filter(|n| !n.is_empty()),
+        req.name.filter(|n| !n.is_empty()),
+    ) else {
+        return Parsed::Pass(Box::new(response), "cluster_scoped");
     };
-    let Some(new) = new else {
-        return invalid(
-            response
-                .deny("fencedlease: a create or update without an object")
-                .into_review(),
-        );
+    Parsed::Scale(Box::new(ScaleCheck {
+        response,
+        namespace,
+        name,
+        group: req.resource.group,
+        version: req.resource.version,
+        resource: req.resource.resource,
+    }))
+}
+
+/// Do the two objects carry the same lease label and the same stamp?
+fn fencing_metadata_unchanged(new: &ObjectIn, old: &ObjectIn) -> bool {
+    label(new, LEASE_LABEL) == label(old, LEASE_LABEL) && OwnedStamp::of(new) == OwnedStamp::of(old)
+}
+
+fn parse_write(
+    req: RequestIn,
+    sub: Option<String>,
+    response: AdmissionResponse,
+    writer_exempt: bool,
+) -> Parsed {
+    let (Some(new), old) = (req.object.as_ref(), req.old_object.as_ref()) else {
+        let msg = "fencedlease: a create or update without an object";
+        return Parsed::Invalid(Box::new(response.deny(msg).into_review()));
     };
     // The stored object's label decides (removing the label is itself a protected write).
     let lease_name = old
@@ -167,50 +277,61 @@ pub fn parse(body: &[u8]) -> Parsed {
     let Some(lease_name) = lease_name else {
         return Parsed::Pass(Box::new(response), "unlabelled");
     };
+    // Kubernetes' own controllers may update without a token, but not touch the fencing.
+    if writer_exempt && old.is_some_and(|o| fencing_metadata_unchanged(new, o)) {
+        return Parsed::Pass(Box::new(response), "exempt");
+    }
     let Some(namespace) = req.namespace.clone().filter(|n| !n.is_empty()) else {
         let msg = format!(
             "fencedlease: only namespaced objects can be protected (label {LEASE_LABEL} on a cluster-scoped object)"
         );
-        return invalid(response.deny(msg).into_review());
+        return Parsed::Invalid(Box::new(response.deny(msg).into_review()));
     };
-    // The stored object's mode decides, so a stale writer cannot switch enforcement off.
-    let mode_source = old.unwrap_or(new);
     Parsed::Judge(Box::new(Judgement {
         lease_name: lease_name.to_string(),
-        token: annotation(new, TOKEN_ANNOTATION).map(str::to_string),
-        lease_uid: annotation(new, LEASE_UID_ANNOTATION).map(str::to_string),
-        previous: old.map(|o| {
-            (
-                annotation(o, TOKEN_ANNOTATION).map(str::to_string),
-                annotation(o, LEASE_UID_ANNOTATION).map(str::to_string),
-            )
-        }),
-        mode: Mode::from_annotation(annotation(mode_source, MODE_ANNOTATION)),
+        stamp: OwnedStamp::of(new),
+        previous: old.map(OwnedStamp::of),
+        subresource: sub,
         response,
         namespace,
     }))
 }
 
 /// The verdict as an AdmissionResponse, with the metric label of the outcome.
-pub fn respond(j: &Judgement, lease: Option<&LeaseView>) -> (AdmissionResponse, &'static str) {
-    let w = j.attempt();
-    match decide(&w, lease) {
+pub fn respond(
+    j: &Judgement,
+    lease: Option<&LeaseView>,
+    mode: Mode,
+) -> (AdmissionResponse, &'static str) {
+    match decide(&j.attempt(), lease) {
         Verdict::Allow => (j.response.clone(), "allowed"),
-        Verdict::Refuse(r) => refuse(j, &r),
+        Verdict::Refuse(r) => refuse(j, &r, mode),
     }
 }
 
-/// Refuses (or, in warn mode, allows with a warning).
-pub fn refuse(j: &Judgement, r: &Refusal) -> (AdmissionResponse, &'static str) {
+/// The refusal's message, with what a subresource write adds to it.
+fn message(j: &Judgement, r: &Refusal) -> String {
     let msg = r.message(&j.attempt());
-    match j.mode {
+    match (&j.subresource, r) {
+        (Some(sub), Refusal::NotPresented | Refusal::MissingToken) => format!(
+            "{msg}; this was a write to /{sub}: where the type's /{sub} keeps metadata from the stored object (custom resources do), no token can be presented there, and only the exempt writers (Kubernetes' controllers) may write it"
+        ),
+        _ => msg,
+    }
+}
+
+/// Refuses (or, where the namespace says warn, allows with a warning).
+pub fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'static str) {
+    let msg = message(j, r);
+    let mut resp = j.response.clone();
+    match mode {
         Mode::Warn => {
-            let mut resp = j.response.clone();
-            resp.warnings = Some(vec![format!("{msg} (allowed: {MODE_ANNOTATION}=warn)")]);
+            resp.warnings = Some(vec![format!(
+                "{msg} (allowed: the namespace is annotated {MODE_ANNOTATION}=warn)"
+            )]);
             (resp, "warned")
         }
         Mode::Enforce => {
-            let mut resp = j.response.clone();
             resp.allowed = false;
             resp.result = Status::failure(&msg, "Conflict").with_code(409);
             (resp, r.metric_label())
@@ -218,15 +339,16 @@ pub fn refuse(j: &Judgement, r: &Refusal) -> (AdmissionResponse, &'static str) {
     }
 }
 
-/// Refuses because the lease could not be read to confirm a decision (fail closed).
-pub fn unconfirmed(j: &Judgement, detail: &str) -> (AdmissionResponse, &'static str) {
-    let mut resp = j.response.clone();
+/// Refuses because the lease (or the scaled object) could not be read to decide (fail closed).
+pub fn unconfirmed(
+    response: &AdmissionResponse,
+    what: &str,
+    detail: &str,
+) -> (AdmissionResponse, &'static str) {
+    let mut resp = response.clone();
     resp.allowed = false;
     resp.result = Status::failure(
-        &format!(
-            "fencedlease: could not read FencedLease {}/{} to confirm the token ({detail}); retry",
-            j.namespace, j.lease_name
-        ),
+        &format!("fencedlease: could not read {what} to decide on this write ({detail}); writes to protected objects are refused until the webhook can read from the API server again; retry"),
         "ServiceUnavailable",
     )
     .with_code(503);
@@ -238,7 +360,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn review(op: &str, object: serde_json::Value, old: Option<serde_json::Value>) -> Vec<u8> {
+    fn review_as(
+        op: &str,
+        sub: Option<&str>,
+        user: &str,
+        object: serde_json::Value,
+        old: Option<serde_json::Value>,
+    ) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -246,10 +374,11 @@ mod tests {
                 "uid": "req-1",
                 "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
                 "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+                "subResource": sub,
                 "name": "inventory",
                 "namespace": "shop",
                 "operation": op,
-                "userInfo": {"username": "alice"},
+                "userInfo": {"username": user, "groups": ["system:authenticated"]},
                 "object": object,
                 "oldObject": old,
                 "dryRun": false
@@ -258,66 +387,149 @@ mod tests {
         .expect("json")
     }
 
+    fn review(op: &str, object: serde_json::Value, old: Option<serde_json::Value>) -> Vec<u8> {
+        review_as(op, None, "alice", object, old)
+    }
+
     fn cm(labels: serde_json::Value, annotations: serde_json::Value) -> serde_json::Value {
         serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": "inventory", "namespace": "shop", "labels": labels, "annotations": annotations}})
     }
 
+    fn exemptions() -> Exemptions {
+        Exemptions::new(vec!["system:serviceaccount:kube-system:gc".into()], vec![])
+            .expect("exemptions")
+    }
+
+    fn parsed(body: &[u8]) -> Parsed {
+        parse(body, &exemptions())
+    }
+
     fn judge(body: &[u8]) -> Judgement {
-        match parse(body) {
+        match parsed(body) {
             Parsed::Judge(j) => *j,
             other => panic!("expected a judgement, got {other:?}"),
         }
     }
 
+    fn stamped(token: &str, id: &str) -> serde_json::Value {
+        cm(
+            serde_json::json!({LEASE_LABEL: "inv"}),
+            serde_json::json!({TOKEN_ANNOTATION: token, LEASE_UID_ANNOTATION: "u", WRITE_ID_ANNOTATION: id}),
+        )
+    }
+
     #[test]
-    fn unlabelled_deletes_and_subresources_pass() {
+    fn unlabelled_and_deletes_pass() {
         let b = review(
             "CREATE",
             cm(serde_json::json!({}), serde_json::json!({})),
             None,
         );
-        assert!(matches!(parse(&b), Parsed::Pass(_, "unlabelled")));
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "unlabelled")));
         let labelled = cm(
             serde_json::json!({LEASE_LABEL: "inv"}),
             serde_json::json!({}),
         );
         let b = review("DELETE", serde_json::Value::Null, Some(labelled));
-        assert!(matches!(parse(&b), Parsed::Pass(_, "not_a_write")));
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "not_a_write")));
     }
 
     #[test]
-    fn the_stored_label_and_mode_decide_on_update() {
-        let old = cm(
-            serde_json::json!({LEASE_LABEL: "inv"}),
-            serde_json::json!({TOKEN_ANNOTATION: "7", LEASE_UID_ANNOTATION: "u"}),
-        );
-        // The new object drops the label and asks for warn mode: still judged, enforced.
+    fn the_stored_label_decides_and_the_object_cannot_choose_warn() {
+        let old = stamped("7", "w1");
+        // The new object drops the label and asks for warn mode: still judged.
         let new = cm(
             serde_json::json!({}),
-            serde_json::json!({MODE_ANNOTATION: "warn", TOKEN_ANNOTATION: "3"}),
+            serde_json::json!({MODE_ANNOTATION: "warn", TOKEN_ANNOTATION: "3", WRITE_ID_ANNOTATION: "w2"}),
         );
         let j = judge(&review("UPDATE", new, Some(old)));
         assert_eq!(j.lease_name, "inv");
-        assert_eq!(j.mode, Mode::Enforce);
-        assert_eq!(j.token.as_deref(), Some("3"));
-        assert_eq!(j.previous, Some((Some("7".into()), Some("u".into()))));
+        assert_eq!(j.stamp.token.as_deref(), Some("3"));
+        assert_eq!(j.stamp.write_id.as_deref(), Some("w2"));
+        let prev = j.previous.clone().expect("previous");
+        assert_eq!(
+            (prev.token.as_deref(), prev.write_id.as_deref()),
+            (Some("7"), Some("w1"))
+        );
         assert_eq!(j.response.uid, "req-1");
+        // The object's own mode annotation is data: the refusal is enforced.
+        let lease = LeaseView {
+            uid: "u".into(),
+            generation: 7,
+            holder: Some("b".into()),
+        };
+        let (resp, _) = respond(&j, Some(&lease), Mode::Enforce);
+        assert!(!resp.allowed);
+    }
+
+    #[test]
+    fn exempt_writers_pass_only_while_the_fencing_metadata_stays() {
+        let gc = "system:serviceaccount:kube-system:gc";
+        let old = stamped("7", "w1");
+        let mut new = old.clone();
+        new["metadata"]["finalizers"] = serde_json::json!(["foregroundDeletion"]);
+        let b = review_as("UPDATE", None, gc, new.clone(), Some(old.clone()));
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
+        // The same write by anyone else is judged (and refused: the token is inherited).
+        let b = review_as("UPDATE", None, "alice", new, Some(old.clone()));
+        assert!(matches!(parsed(&b), Parsed::Judge(_)));
+        // An exempt writer that changes the stamp or the label is judged like anyone.
+        for changed in [stamped("9", "w9"), {
+            let mut o = old.clone();
+            o["metadata"]["labels"][LEASE_LABEL] = "other".into();
+            o
+        }] {
+            let b = review_as("UPDATE", Some("status"), gc, changed, Some(old.clone()));
+            assert!(matches!(parsed(&b), Parsed::Judge(_)));
+        }
+        // Creates are always judged.
+        let b = review_as("CREATE", None, gc, old.clone(), None);
+        assert!(matches!(parsed(&b), Parsed::Judge(_)));
+    }
+
+    #[test]
+    fn status_writes_are_judged_and_scale_writes_are_checked_against_the_object() {
+        let old = stamped("7", "w1");
+        let j = judge(&review_as(
+            "UPDATE",
+            Some("status"),
+            "alice",
+            old.clone(),
+            Some(old.clone()),
+        ));
+        let lease = LeaseView {
+            uid: "u".into(),
+            generation: 7,
+            holder: Some("b".into()),
+        };
+        let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
+        assert_eq!(label, "denied_not_presented");
+        assert!(resp.result.message.contains("/status"), "{}", resp.result.message);
+        let scale = serde_json::json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {"name": "inventory", "namespace": "shop"}, "spec": {"replicas": 3}});
+        match parsed(&review_as("UPDATE", Some("scale"), "alice", scale.clone(), Some(scale.clone()))) {
+            Parsed::Scale(c) => {
+                assert_eq!((c.name.as_str(), c.resource.as_str()), ("inventory", "configmaps"));
+                let r = c.refuse("inv");
+                assert!(!r.allowed && r.result.code == 409 && r.result.message.contains("/scale"), "{:?}", r.result);
+            }
+            other => panic!("expected a scale check, got {other:?}"),
+        }
+        let hpa = "system:serviceaccount:kube-system:gc";
+        let b = review_as("UPDATE", Some("scale"), hpa, scale.clone(), Some(scale));
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
     }
 
     #[test]
     fn refusals_are_409_with_the_message_and_warn_mode_allows_with_a_warning() {
-        let new = cm(
-            serde_json::json!({LEASE_LABEL: "inv"}),
-            serde_json::json!({TOKEN_ANNOTATION: "3", LEASE_UID_ANNOTATION: "u"}),
-        );
-        let j = judge(&review("CREATE", new, None));
+        let j = judge(&review("CREATE", stamped("3", "w"), None));
         let lease = LeaseView {
             uid: "u".into(),
             generation: 4,
             holder: Some("b".into()),
         };
-        let (resp, label) = respond(&j, Some(&lease));
+        let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
         assert!(!resp.allowed);
         assert_eq!(resp.result.code, 409);
         assert_eq!(label, "denied_stale");
@@ -326,26 +538,21 @@ mod tests {
             "{}",
             resp.result.message
         );
-        let mut warn = j;
-        warn.mode = Mode::Warn;
-        let (resp, label) = respond(&warn, Some(&lease));
+        let (resp, label) = respond(&j, Some(&lease), Mode::Warn);
         assert!(resp.allowed);
         assert_eq!(label, "warned");
         assert!(resp
             .warnings
-            .is_some_and(|w| w[0].contains("stale token 3")));
+            .is_some_and(|w| w[0].contains("stale token 3") && w[0].contains("namespace")));
     }
 
     #[test]
     fn the_answer_speaks_the_review_version_and_echoes_the_uid() {
-        let new = cm(
-            serde_json::json!({LEASE_LABEL: "inv"}),
-            serde_json::json!({TOKEN_ANNOTATION: "3", LEASE_UID_ANNOTATION: "u"}),
-        );
+        let new = stamped("3", "w");
         let mut v: serde_json::Value =
             serde_json::from_slice(&review("CREATE", new, None)).expect("json");
         v["apiVersion"] = "admission.k8s.io/v1beta1".into();
-        // What the decision does not read may be anything: data, managedFields, user info.
+        // What the decision does not read may be anything: data, managedFields, user extras.
         v["request"]["object"]["data"] = serde_json::json!({"big": "x".repeat(4096)});
         v["request"]["object"]["metadata"]["managedFields"] =
             serde_json::json!([{"manager": "m", "fieldsV1": {"f:data": {}}}]);
@@ -359,7 +566,7 @@ mod tests {
         // Wrong types in what it does read are refused, not guessed at.
         v["request"]["object"]["metadata"]["labels"] = serde_json::json!({LEASE_LABEL: 7});
         assert!(matches!(
-            parse(&serde_json::to_vec(&v).expect("json")),
+            parsed(&serde_json::to_vec(&v).expect("json")),
             Parsed::Invalid(_)
         ));
     }
@@ -374,7 +581,7 @@ mod tests {
             b"{\"kind\":\"AdmissionReview\"}",
             b"\xff\xfe",
         ] {
-            match parse(body) {
+            match parsed(body) {
                 Parsed::Invalid(r) => assert!(r.response.is_some_and(|r| !r.allowed)),
                 p => panic!("{body:?} parsed as {p:?}"),
             }
@@ -388,22 +595,23 @@ mod tests {
         ))]
         #[test]
         fn parse_never_panics_on_bytes(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = parse(&body);
+            let _ = parsed(&body);
         }
 
         #[test]
         fn parse_and_respond_never_panic_on_odd_objects(
             op in prop_oneof!["CREATE", "UPDATE", "DELETE", "CONNECT", "BOGUS"],
-            lease in "\\PC{0,12}", token in "\\PC{0,24}", uid in "\\PC{0,8}", mode in "\\PC{0,6}",
+            sub in proptest::option::of(prop_oneof!["status", "scale", "", "x"]),
+            lease in "\\PC{0,12}", token in "\\PC{0,24}", uid in "\\PC{0,8}", id in "\\PC{0,6}",
             with_old in any::<bool>(),
         ) {
             let obj = cm(serde_json::json!({LEASE_LABEL: lease}),
-                serde_json::json!({TOKEN_ANNOTATION: token, LEASE_UID_ANNOTATION: uid, MODE_ANNOTATION: mode}));
-            let b = review(&op, obj.clone(), with_old.then_some(obj));
-            if let Parsed::Judge(j) = parse(&b) {
+                serde_json::json!({TOKEN_ANNOTATION: token, LEASE_UID_ANNOTATION: uid, WRITE_ID_ANNOTATION: id}));
+            let b = review_as(&op, sub.as_deref(), "u", obj.clone(), with_old.then_some(obj));
+            if let Parsed::Judge(j) = parsed(&b) {
                 let lv = LeaseView { uid: uid.clone(), generation: 3, holder: Some("h".into()) };
-                let _ = respond(&j, Some(&lv));
-                let _ = respond(&j, None);
+                let _ = respond(&j, Some(&lv), Mode::Enforce);
+                let _ = respond(&j, None, Mode::Warn);
             }
         }
     }

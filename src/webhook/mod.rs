@@ -1,8 +1,12 @@
 //! `fencedlease webhook`: the admission webhook that makes the API server refuse writes to
 //! protected objects that carry a stale (or missing, malformed, forged) fencing token.
 //!
-//! It answers from a watch cache of FencedLeases and confirms with a fresh read before any
-//! refusal a lagging cache could explain. It is never on the path of FencedLease renewals:
+//! Every Allow rests on a read of the lease made after the request arrived (a read without a
+//! resourceVersion, which the API server serves from etcd with a quorum read): a watch cache
+//! can lag by seconds, or for minutes when a watch dies silently, and an Allow from it would let
+//! a replaced holder's token through. The watch cache only refuses early the writes whose token
+//! is already below a generation the lease has reached. When the API server cannot be read the
+//! webhook refuses (503) and turns unready. It is never on the path of FencedLease renewals:
 //! its configuration lists only the protected resource types.
 
 pub mod admission;
@@ -26,7 +30,7 @@ use base64::Engine as _;
 use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
-use kube::core::admission::AdmissionReview;
+use kube::core::admission::{AdmissionResponse, AdmissionReview};
 use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -41,13 +45,19 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::api::FencedLease;
-use crate::fencing::LeaseView;
+use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS, MODE_ANNOTATION};
 use crate::metrics::HealthState;
-use admission::{Judgement, Parsed, MAX_BODY_BYTES};
+use admission::{Judgement, Parsed, ScaleCheck, MAX_BODY_BYTES};
 use tls::{CertFiles, ReloadingCert};
 
-/// How long a confirming read of a lease may take before the webhook refuses (fail closed).
+/// How long a read of a lease (or of a scaled object, or a namespace) may take before the
+/// webhook refuses the write (fail closed).
 const FRESH_READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one successful read from the API server keeps the webhook ready; a failed read
+/// makes it unready at once.
+const API_HEALTH_WINDOW: Duration = Duration::from_secs(5);
+/// How often the webhook reads from the API server to know it still can, when no write asks.
+const API_PROBE_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, clap::Args)]
 pub struct WebhookArgs {
@@ -84,6 +94,28 @@ pub struct WebhookArgs {
     /// imagePullPolicy of the injected sidecar.
     #[arg(long, default_value = "IfNotPresent", value_parser = ["Always", "IfNotPresent", "Never"])]
     pub sidecar_image_pull_policy: String,
+    /// A user allowed to update protected objects without a token as long as it leaves their
+    /// fencing label and annotations alone (repeat the flag). Given at least once, the list
+    /// replaces the default: kube-controller-manager and its controllers' ServiceAccounts in
+    /// kube-system. Exact names; ServiceAccounts outside kube-system are refused.
+    #[arg(long = "exempt-user")]
+    pub exempt_users: Vec<String>,
+    /// A group whose members are exempt likewise (repeat the flag; default none). Groups that
+    /// hold all users or ServiceAccounts are refused.
+    #[arg(long = "exempt-group")]
+    pub exempt_groups: Vec<String>,
+}
+
+impl WebhookArgs {
+    /// The exemptions, checked.
+    pub fn exemptions(&self) -> Result<Exemptions, crate::fencing::ExemptionError> {
+        let users = if self.exempt_users.is_empty() {
+            DEFAULT_EXEMPT_USERS.iter().map(|u| u.to_string()).collect()
+        } else {
+            self.exempt_users.clone()
+        };
+        Exemptions::new(users, self.exempt_groups.clone())
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -138,6 +170,7 @@ struct WebhookMetrics {
     injections: Family<ResultLabel, Counter>,
     seconds: Histogram,
     fresh_reads: Counter,
+    cache_lag_caught: Counter,
 }
 
 impl WebhookMetrics {
@@ -147,10 +180,11 @@ impl WebhookMetrics {
             injections: Family::default(),
             seconds: Histogram::new(exponential_buckets(0.000005, 2.0, 20)),
             fresh_reads: Counter::default(),
+            cache_lag_caught: Counter::default(),
         };
         r.register(
             "fencedlease_webhook_admissions",
-            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_future, denied_free, denied_no_lease, warned, passed, invalid, error",
+            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_not_presented, denied_future, denied_free, denied_no_lease, denied_scale, warned, passed, exempt, invalid, error",
             m.admissions.clone(),
         );
         r.register(
@@ -165,8 +199,13 @@ impl WebhookMetrics {
         );
         r.register(
             "fencedlease_webhook_fresh_reads",
-            "Reads of a lease made to confirm a refusal a lagging cache could explain",
+            "Reads from the API server made to decide a write: the lease before every allow and before a refusal a lagging cache could explain, the namespace's mode before a refusal, the object behind a /scale write",
             m.fresh_reads.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_cache_lag_caught",
+            "Writes that the lease cache would have allowed and a fresh read refused: the cache lagged behind the lease",
+            m.cache_lag_caught.clone(),
         );
         m
     }
@@ -177,7 +216,8 @@ struct Shared {
     inject: inject::InjectConfig,
     store: Store<FencedLease>,
     metrics: WebhookMetrics,
-    ready: Arc<AtomicBool>,
+    exemptions: Exemptions,
+    health: ApiHealth,
 }
 
 fn view(l: &FencedLease) -> Option<LeaseView> {
@@ -188,27 +228,161 @@ fn view(l: &FencedLease) -> Option<LeaseView> {
     })
 }
 
+/// Whether the webhook can read from the API server now: ready means the lease cache has
+/// synced and a read succeeded within `API_HEALTH_WINDOW` with none failing since.
+struct ApiHealth {
+    started: Instant,
+    synced: AtomicBool,
+    ok_until_ms: std::sync::atomic::AtomicU64,
+    ready: Arc<AtomicBool>,
+}
+
+impl ApiHealth {
+    fn new(ready: Arc<AtomicBool>) -> ApiHealth {
+        ApiHealth {
+            started: Instant::now(),
+            synced: AtomicBool::new(false),
+            ok_until_ms: Default::default(),
+            ready,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Records the outcome of a read and updates readiness.
+    fn record(&self, ok: bool) {
+        let until = if ok {
+            self.now_ms()
+                .saturating_add(API_HEALTH_WINDOW.as_millis() as u64)
+        } else {
+            0
+        };
+        self.ok_until_ms.store(until, Ordering::Relaxed);
+        self.refresh();
+    }
+
+    fn refresh(&self) {
+        let fresh = self.now_ms() < self.ok_until_ms.load(Ordering::Relaxed);
+        let ready = fresh && self.synced.load(Ordering::Relaxed);
+        if self.ready.swap(ready, Ordering::Relaxed) != ready {
+            if ready {
+                info!("lease cache synced and the API server readable: ready");
+            } else {
+                warn!("cannot read from the API server: unready, refusing protected writes");
+            }
+        }
+    }
+}
+
+/// Runs `read` with the fresh-read timeout, recording the outcome in `health`.
+async fn timed_read<T>(
+    health: &ApiHealth,
+    read: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, String> {
+    let out = match tokio::time::timeout(FRESH_READ_TIMEOUT, read).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {FRESH_READ_TIMEOUT:?}")),
+    };
+    health.record(out.is_ok());
+    out
+}
+
 impl Shared {
-    /// Decides one protected write: from the cache, confirmed by a fresh read when needed.
-    async fn judge(
-        &self,
-        j: &Judgement,
-    ) -> (kube::core::admission::AdmissionResponse, &'static str) {
+    /// Decides one protected write. The cache may refuse a token already below a generation
+    /// the lease reached; everything else, every Allow above all, is decided on a fresh read.
+    async fn judge(&self, j: &Judgement) -> (AdmissionResponse, &'static str) {
         let key = ObjectRef::<FencedLease>::new(&j.lease_name).within(&j.namespace);
         let cached = self.store.get(&key).and_then(|l| view(&l));
         let w = j.attempt();
-        match crate::fencing::decide(&w, cached.as_ref()) {
-            crate::fencing::Verdict::Allow => (j.response.clone(), "allowed"),
-            crate::fencing::Verdict::Refuse(r) if !r.may_be_cache_lag() => admission::refuse(j, &r),
-            crate::fencing::Verdict::Refuse(_) => {
-                self.metrics.fresh_reads.inc();
-                let api: Api<FencedLease> = Api::namespaced(self.client.clone(), &j.namespace);
-                match tokio::time::timeout(FRESH_READ_TIMEOUT, api.get_opt(&j.lease_name)).await {
-                    Ok(Ok(fresh)) => admission::respond(j, fresh.as_ref().and_then(view).as_ref()),
-                    Ok(Err(e)) => admission::unconfirmed(j, &e.to_string()),
-                    Err(_) => admission::unconfirmed(j, "the read timed out"),
-                }
+        let from_cache = decide(&w, cached.as_ref());
+        if let Verdict::Refuse(r) = &from_cache {
+            if !r.may_be_cache_lag() {
+                return self.refuse(j, r).await;
             }
+        }
+        self.metrics.fresh_reads.inc();
+        let api: Api<FencedLease> = Api::namespaced(self.client.clone(), &j.namespace);
+        let fresh = match timed_read(&self.health, api.get_opt(&j.lease_name)).await {
+            Ok(l) => l,
+            Err(detail) => {
+                let what = format!("FencedLease {}/{}", j.namespace, j.lease_name);
+                return admission::unconfirmed(&j.response, &what, &detail);
+            }
+        };
+        match decide(&w, fresh.as_ref().and_then(view).as_ref()) {
+            Verdict::Allow => (j.response.clone(), "allowed"),
+            Verdict::Refuse(r) => {
+                if from_cache == Verdict::Allow {
+                    self.metrics.cache_lag_caught.inc();
+                    info!(lease = %j.lease_name, ns = %j.namespace, "the lease cache lagged: it would have allowed a write the fresh read refuses");
+                }
+                self.refuse(j, &r).await
+            }
+        }
+    }
+
+    /// Refuses, unless the namespace is annotated for warn mode. A namespace that cannot be
+    /// read enforces (fail closed).
+    async fn refuse(&self, j: &Judgement, r: &Refusal) -> (AdmissionResponse, &'static str) {
+        self.metrics.fresh_reads.inc();
+        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
+        let mode = match timed_read(&self.health, api.get_metadata_opt(&j.namespace)).await {
+            Ok(ns) => Mode::from_annotation(
+                ns.as_ref()
+                    .and_then(|n| n.metadata.annotations.as_ref())
+                    .and_then(|a| a.get(MODE_ANNOTATION))
+                    .map(String::as_str),
+            ),
+            Err(e) => {
+                debug!(ns = %j.namespace, error = %e, "namespace unreadable: enforcing");
+                Mode::Enforce
+            }
+        };
+        admission::refuse(j, r, mode)
+    }
+
+    /// A /scale write: refused when the scaled object carries the lease label.
+    async fn scale(&self, c: &ScaleCheck) -> (AdmissionResponse, &'static str) {
+        self.metrics.fresh_reads.inc();
+        let api_version = if c.group.is_empty() {
+            c.version.clone()
+        } else {
+            format!("{}/{}", c.group, c.version)
+        };
+        let ar = kube::core::ApiResource {
+            group: c.group.clone(),
+            version: c.version.clone(),
+            api_version,
+            kind: String::new(),
+            plural: c.resource.clone(),
+        };
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &c.namespace, &ar);
+        match timed_read(&self.health, api.get_metadata_opt(&c.name)).await {
+            Ok(obj) => match obj.as_ref().and_then(|o| o.metadata.labels.as_ref()).and_then(|l| {
+                l.get(crate::fencing::LEASE_LABEL).filter(|v| !v.is_empty())
+            }) {
+                Some(lease) => (c.refuse(lease), "denied_scale"),
+                None => (c.response.clone(), "passed"),
+            },
+            Err(detail) => {
+                let what = format!("{} {}/{}", c.resource, c.namespace, c.name);
+                admission::unconfirmed(&c.response, &what, &detail)
+            }
+        }
+    }
+
+    /// Reads from the API server every `API_PROBE_INTERVAL`, so that readiness follows
+    /// whether the webhook can read even when no write comes.
+    async fn probe_api(self: Arc<Self>) {
+        let api: Api<FencedLease> = Api::all(self.client.clone());
+        let one = kube::api::ListParams::default().limit(1);
+        loop {
+            let _ = timed_read(&self.health, api.list_metadata(&one)).await;
+            tokio::time::sleep(API_PROBE_INTERVAL).await;
+            self.health.refresh();
         }
     }
 }
@@ -240,18 +414,25 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
     let (review, label) = match read_body(body).await {
         Err(review) => (review, "invalid"),
-        Ok(bytes) => match admission::parse(&bytes) {
+        Ok(bytes) => match admission::parse(&bytes, &s.exemptions) {
             Parsed::Invalid(review) => (*review, "invalid"),
             Parsed::Pass(resp, why) => {
                 debug!(why, "not a protected write");
-                (resp.into_review(), "passed")
+                (resp.into_review(), if why == "exempt" { "exempt" } else { "passed" })
+            }
+            Parsed::Scale(c) => {
+                let (resp, label) = s.scale(&c).await;
+                if !resp.allowed {
+                    info!(ns = %c.namespace, name = %c.name, resource = %c.resource, result = label, "refused a write through /scale");
+                }
+                (resp.into_review(), label)
             }
             Parsed::Judge(j) => {
                 let (resp, label) = s.judge(&j).await;
                 if !resp.allowed {
                     info!(
                         lease = %j.lease_name, ns = %j.namespace, result = label,
-                        token = j.token.as_deref().unwrap_or(""), "refused a write"
+                        token = j.stamp.token.as_deref().unwrap_or(""), "refused a write"
                     );
                 }
                 (resp.into_review(), label)
@@ -281,10 +462,16 @@ async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
 }
 
 async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    if s.ready.load(Ordering::Relaxed) {
+    s.health.refresh();
+    if s.health.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ok")
-    } else {
+    } else if !s.health.synced.load(Ordering::Relaxed) {
         (StatusCode::SERVICE_UNAVAILABLE, "lease cache not synced")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cannot read from the API server: protected writes are refused",
+        )
     }
 }
 
@@ -313,6 +500,9 @@ async fn wait_for_certificate(
 }
 
 pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
+    let exemptions = args
+        .exemptions()
+        .context("checking --exempt-user and --exempt-group")?;
     let files = CertFiles {
         cert: args.tls_cert.clone(),
         key: args.tls_key.clone(),
@@ -365,17 +555,20 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         },
         store: store.clone(),
         metrics,
-        ready: ready.clone(),
+        exemptions,
+        health: ApiHealth::new(ready.clone()),
     });
     {
-        let ready = ready.clone();
+        let shared = shared.clone();
         tokio::spawn(async move {
             if store.wait_until_ready().await.is_ok() {
-                ready.store(true, Ordering::Relaxed);
-                info!("lease cache synced: ready");
+                shared.health.synced.store(true, Ordering::Relaxed);
+                shared.health.refresh();
+                info!("lease cache synced");
             }
         });
     }
+    tokio::spawn(shared.clone().probe_api());
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let health = HealthState {
