@@ -14,6 +14,8 @@ use kube::api::{DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
+pub mod apiproxy;
+pub mod fencing;
 pub mod helm;
 pub mod procs;
 pub mod webhook;
@@ -41,12 +43,26 @@ fn how_to_start() -> String {
 
 /// A client for the test cluster. Panics, saying how to start the cluster, when it is absent.
 pub async fn client() -> Client {
+    client_impersonating(None).await
+}
+
+/// A client that acts as `user` (the admin impersonates it; RBAC applies as to `user`).
+pub async fn client_as(user: &str) -> Client {
+    client_impersonating(Some(user)).await
+}
+
+async fn client_impersonating(user: Option<&str>) -> Client {
     let path = kubeconfig_path();
     let kc = Kubeconfig::read_from(&path)
         .unwrap_or_else(|e| panic!("{}\n(reading {}: {e})", how_to_start(), path.display()));
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .unwrap_or_else(|e| panic!("{}\n(kubeconfig: {e})", how_to_start()));
+    // Tests see what the server answered: kube's default client retries 429/503/504 up to 15
+    // times with backoff, which would turn a fail-closed 503 into minutes of waiting.
+    let mut config = config;
+    config.default_retry = false;
+    config.auth_info.impersonate = user.map(str::to_string);
     let client = Client::try_from(config).expect("building a kube client from a valid config");
     if let Err(e) = client.apiserver_version().await {
         panic!("{}\n(asking the server's version: {e})", how_to_start());
@@ -150,6 +166,25 @@ impl Drop for TestNamespace {
         // Best effort and non-blocking: kubectl returns once deletion has started.
         let _ = kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
     }
+}
+
+/// The value of the first sample of metric `name` in a Prometheus text page (0 when absent).
+pub fn metric_value(page: &str, name: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A value for `fencedlease.io/write-id` that this test process never used before.
+pub fn new_write_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "test-{}-{:08x}-{}",
+        std::process::id(),
+        rand_u32(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// A random-enough number for unique names, without a dependency.

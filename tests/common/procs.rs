@@ -85,12 +85,17 @@ pub fn scratch_dir(test: &str) -> PathBuf {
 }
 
 pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
+    spawn_fencedlease_with(name, dir, args, &kubeconfig_path())
+}
+
+/// Like `spawn_fencedlease`, with a kubeconfig of the caller's (e.g. through a proxy).
+pub fn spawn_fencedlease_with(name: &str, dir: &Path, args: &[&str], kubeconfig: &Path) -> Proc {
     let events = dir.join(format!("{name}.events"));
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
     let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
         .args(args)
-        .env("KUBECONFIG", kubeconfig_path())
+        .env("KUBECONFIG", kubeconfig)
         .env("RUST_LOG", "info,kube=warn")
         .stdin(Stdio::null())
         .stdout(logf.try_clone().expect("dup log"))

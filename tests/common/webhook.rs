@@ -9,7 +9,7 @@ use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::api::PostParams;
 use kube::{Api, Client};
 
-use super::procs::{spawn_fencedlease, Proc};
+use super::procs::{spawn_fencedlease_with, Proc};
 
 /// `n` distinct free ports (all held open while choosing, so none repeats).
 pub fn free_ports(n: usize) -> Vec<u16> {
@@ -77,6 +77,10 @@ pub fn issue_certs(mount: &Path, reuse_ca: bool) -> String {
     bundle
 }
 
+/// The group of the test-only custom resource `Widget` (with /status and /scale), see
+/// `ensure_widget_crd`.
+pub const WIDGET_GROUP: &str = "test.fencedlease.io";
+
 pub struct Webhook {
     pub proc: Proc,
     pub bundle: String,
@@ -86,31 +90,53 @@ pub struct Webhook {
     pub config_name: String,
 }
 
+/// How to run the test's webhook.
+#[derive(Default)]
+pub struct WebhookOpts {
+    /// The kubeconfig the webhook uses (default: the test cluster's), e.g. one through a
+    /// `ApiProxy`.
+    pub kubeconfig: Option<PathBuf>,
+    /// More command-line flags, e.g. `--exempt-user`.
+    pub extra_args: Vec<String>,
+}
+
 impl Webhook {
-    /// Starts the webhook and registers it for labelled ConfigMaps in namespace `ns`.
+    /// Starts the webhook and registers it for labelled ConfigMaps, Deployments and
+    /// StatefulSets (and their /status and /scale) in namespace `ns`.
     pub async fn start(client: &Client, dir: &Path, ns: &str) -> Webhook {
+        Webhook::start_with(client, dir, ns, WebhookOpts::default()).await
+    }
+
+    pub async fn start_with(client: &Client, dir: &Path, ns: &str, opts: WebhookOpts) -> Webhook {
         let mount = dir.join("certs");
         std::fs::create_dir_all(&mount).expect("mkdir certs");
         let bundle = issue_certs(&mount, false);
         let ports = free_ports(2);
         let (port, metrics_port) = (ports[0], ports[1]);
-        let proc = spawn_fencedlease(
-            "webhook",
-            dir,
-            &[
-                "webhook",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--tls-cert",
-                mount.join("tls.crt").to_str().expect("utf-8"),
-                "--tls-key",
-                mount.join("tls.key").to_str().expect("utf-8"),
-                "--tls-reload-seconds",
-                "1",
-                "--metrics-addr",
-                &format!("127.0.0.1:{metrics_port}"),
-            ],
+        let (listen, metrics) = (
+            format!("127.0.0.1:{port}"),
+            format!("127.0.0.1:{metrics_port}"),
         );
+        let (cert, key) = (
+            mount.join("tls.crt").to_str().expect("utf-8").to_string(),
+            mount.join("tls.key").to_str().expect("utf-8").to_string(),
+        );
+        let mut args: Vec<&str> = vec![
+            "webhook",
+            "--listen",
+            &listen,
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--tls-reload-seconds",
+            "1",
+            "--metrics-addr",
+            &metrics,
+        ];
+        args.extend(opts.extra_args.iter().map(String::as_str));
+        let kubeconfig = opts.kubeconfig.unwrap_or_else(super::kubeconfig_path);
+        let proc = spawn_fencedlease_with("webhook", dir, &args, &kubeconfig);
         let config_name = format!("fencedlease-test-{ns}");
         let wh = Webhook {
             proc,
@@ -123,6 +149,24 @@ impl Webhook {
         wh.wait_ready().await;
         wh.register(client, ns, &bundle).await;
         wh
+    }
+
+    /// The HTTP status of the webhook's /readyz (0 when it does not answer).
+    pub fn readyz(&self) -> u16 {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "2",
+                &format!("http://127.0.0.1:{}/readyz", self.metrics_port),
+            ])
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
     }
 
     async fn wait_ready(&self) {
@@ -170,8 +214,30 @@ impl Webhook {
                 "clientConfig": {"url": format!("https://127.0.0.1:{}/validate", self.port), "caBundle": bundle},
                 "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
                 "objectSelector": {"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]},
-                "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                           "resources": ["configmaps"], "scope": "Namespaced"}]
+                "rules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                     "resources": ["configmaps", "configmaps/status"], "scope": "Namespaced"},
+                    {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                     "resources": ["deployments", "deployments/status", "statefulsets", "statefulsets/status"],
+                     "scope": "Namespaced"},
+                    {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                     "resources": ["widgets", "widgets/status"], "scope": "Namespaced"}
+                ]
+            }, {
+                // As the chart does: /scale carries no labels, so no objectSelector.
+                "name": "scale.fencing.fencedlease.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 5,
+                "clientConfig": {"url": format!("https://127.0.0.1:{}/validate", self.port), "caBundle": bundle},
+                "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
+                "rules": [
+                    {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["UPDATE"],
+                     "resources": ["deployments/scale", "statefulsets/scale"], "scope": "Namespaced"},
+                    {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["UPDATE"],
+                     "resources": ["widgets/scale"], "scope": "Namespaced"}
+                ]
             }]
         }))
         .expect("webhook configuration literal");
@@ -242,4 +308,47 @@ impl Drop for Webhook {
             ]);
         }
     }
+}
+
+/// Installs (once per test binary) a test-only custom resource, `widgets.test.fencedlease.io`,
+/// with a /status and a /scale subresource: the fencing of custom resources' subresources is
+/// shown on it.
+pub fn ensure_widget_crd() {
+    static DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    DONE.get_or_init(|| {
+        let crd = serde_json::json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": format!("widgets.{WIDGET_GROUP}")},
+            "spec": {
+                "group": WIDGET_GROUP,
+                "scope": "Namespaced",
+                "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
+                "versions": [{
+                    "name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                        "spec": {"type": "object", "properties": {"replicas": {"type": "integer"}}},
+                        "status": {"type": "object", "properties": {
+                            "replicas": {"type": "integer"}, "note": {"type": "string"}}}
+                    }}},
+                    "subresources": {
+                        "status": {},
+                        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
+                    }
+                }]
+            }
+        });
+        let path = std::env::temp_dir().join(format!("fencedlease-widget-crd-{}.json", super::rand_u32()));
+        std::fs::write(&path, crd.to_string()).expect("write the widget CRD");
+        let path = path.to_str().expect("utf-8").to_string();
+        let (ok, _, err) = super::kubectl(&["apply", "-f", &path]);
+        assert!(ok, "installing the widget CRD failed: {err}");
+        let (ok, _, err) = super::kubectl(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            &format!("crd/widgets.{WIDGET_GROUP}"),
+        ]);
+        assert!(ok, "the widget CRD did not become Established: {err}");
+    });
 }

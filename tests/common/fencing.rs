@@ -1,0 +1,113 @@
+//! Helpers for the fencing tests: a held lease, moving it, and fenced or unfenced writes that
+//! report the API server's refusal as (code, message).
+
+use std::fmt::Debug;
+
+use fencedlease::api::{FencedLease, FencedLeaseSpec};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde::de::DeserializeOwned;
+
+pub const LEASE: &str = "fencedlease.io/lease";
+pub const TOKEN: &str = "fencedlease.io/token";
+pub const UID: &str = "fencedlease.io/lease-uid";
+pub const WRITE_ID: &str = "fencedlease.io/write-id";
+
+/// A lease's token and uid as a holder knows them.
+#[derive(Clone, Debug)]
+pub struct Held {
+    pub token: i64,
+    pub uid: String,
+}
+
+/// Creates lease `name` held by `holder`.
+pub async fn held_lease(client: &Client, ns: &str, name: &str, holder: &str) -> Held {
+    let mut spec = FencedLeaseSpec::free();
+    spec.holder_identity = Some(holder.into());
+    let l = Api::<FencedLease>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &FencedLease::new(name, spec))
+        .await
+        .unwrap_or_else(|e| panic!("creating lease {ns}/{name}: {e}"));
+    Held {
+        token: l.token().expect("generation"),
+        uid: l.metadata.uid.clone().expect("uid"),
+    }
+}
+
+/// Hands lease `name` to `holder` (a spec write: the token goes up).
+pub async fn move_lease(client: &Client, ns: &str, name: &str, holder: &str) -> Held {
+    let api = Api::<FencedLease>::namespaced(client.clone(), ns);
+    let patch = serde_json::json!({"spec": {"holderIdentity": holder}});
+    let l = api
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_or_else(|e| panic!("moving lease {ns}/{name} to {holder}: {e}"));
+    Held {
+        token: l.token().expect("generation"),
+        uid: l.metadata.uid.clone().expect("uid"),
+    }
+}
+
+/// The annotations a writer presents: its token, the lease uid and a new write id.
+pub fn stamp(h: &Held) -> serde_json::Value {
+    serde_json::json!({TOKEN: h.token.to_string(), UID: h.uid, WRITE_ID: super::new_write_id()})
+}
+
+/// A refusal as the API server answered it.
+pub type Refused = (u16, String);
+
+fn refusal(e: kube::Error) -> Refused {
+    match e {
+        kube::Error::Api(s) => (s.code, s.message),
+        other => (0, other.to_string()),
+    }
+}
+
+/// A merge patch; the refusal if any.
+pub async fn merge<K>(api: &Api<K>, name: &str, patch: serde_json::Value) -> Result<K, Refused>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(refusal)
+}
+
+/// A fenced merge patch: `patch` plus the writer's stamp.
+pub async fn fenced_merge<K>(
+    api: &Api<K>,
+    name: &str,
+    h: &Held,
+    mut patch: serde_json::Value,
+) -> Result<K, Refused>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    patch["metadata"]["annotations"] = stamp(h);
+    merge(api, name, patch).await
+}
+
+/// Creates an object from JSON; the refusal if any.
+pub async fn create<K>(api: &Api<K>, obj: serde_json::Value) -> Result<K, Refused>
+where
+    K: Clone + DeserializeOwned + Debug + serde::Serialize,
+{
+    let o: K = serde_json::from_value(obj).expect("object literal");
+    api.create(&PostParams::default(), &o).await.map_err(refusal)
+}
+
+/// Metadata of an object protected by `lease`, stamped by `h`.
+pub fn protected_meta(name: &str, lease: &str, h: &Held) -> serde_json::Value {
+    serde_json::json!({"name": name, "labels": {LEASE: lease}, "annotations": stamp(h)})
+}
+
+/// Asserts a refusal with `code` whose message contains `want`.
+pub fn assert_refused<K: Debug>(what: &str, r: Result<K, Refused>, code: u16, want: &str) {
+    match r {
+        Err((c, m)) => assert!(
+            c == code && m.contains(want),
+            "{what}: want {code} with {want:?}, got {c}: {m}"
+        ),
+        Ok(o) => panic!("{what}: must be refused ({want:?}), but it was accepted: {o:?}"),
+    }
+}

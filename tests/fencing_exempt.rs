@@ -1,0 +1,105 @@
+//! Fencing hole 4: Kubernetes' own writers are not stale leaders. kube-controller-manager's
+//! controllers (their own ServiceAccounts in kube-system, as the local cluster runs them) update
+//! a protected Deployment without a token: the revision annotation, status, the garbage
+//! collector's finalizer removal. They are exempt while they leave the fencing label and
+//! annotations alone; nobody else is.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fencing::{create, fenced_merge, held_lease, move_lease, protected_meta};
+use common::procs::scratch_dir;
+use common::webhook::Webhook;
+use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use kube::api::{DeleteParams, ListParams};
+use kube::Api;
+
+const REVISION: &str = "deployment.kubernetes.io/revision";
+const GC: &str = "system:serviceaccount:kube-system:generic-garbage-collector";
+
+async fn revision_reached(deploys: &Api<Deployment>, want: &str) {
+    eventually(
+        Duration::from_secs(60),
+        &format!("the deployment controller to set revision {want} and report status"),
+        || async {
+            let d = deploys.get("web").await.ok()?;
+            let rev = d.metadata.annotations.as_ref()?.get(REVISION)?.clone();
+            let observed = d.status.as_ref()?.observed_generation?;
+            (rev == want && Some(observed) == d.metadata.generation).then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_while_its_lease_moves(
+) {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "hole4").await;
+    let dir = scratch_dir("hole4");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    create(
+        &deploys,
+        serde_json::json!({
+            "metadata": protected_meta("web", "inv", &a),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    // Never scheduled: the test is about the API objects, not the pods.
+                    "spec": {"nodeSelector": {"fencedlease.io/nowhere": "true"},
+                             "containers": [{"name": "c", "image": "fencedlease-test-none:0"}]}
+                }
+            }
+        }),
+    )
+    .await
+    .expect("A creates the protected Deployment");
+    revision_reached(&deploys, "1").await;
+
+    // The lease moves; B rolls out a new template; the controller follows without a token.
+    let b = move_lease(&client, &ns.name, "inv", "pod-b").await;
+    let rollout = serde_json::json!({"spec": {"template": {"metadata": {"annotations": {"rollout": "2"}}}}});
+    fenced_merge(&deploys, "web", &b, rollout)
+        .await
+        .expect("B rolls out with its token");
+    revision_reached(&deploys, "2").await;
+    let rs: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns.name);
+    let owned = rs
+        .list(&ListParams::default().labels("app=web"))
+        .await
+        .expect("list ReplicaSets");
+    assert_eq!(owned.items.len(), 2, "one ReplicaSet per revision");
+
+    // Nobody else may update without a token, and an exempt identity may not touch the fencing.
+    let ns_flag = ["-n", ns.name.as_str()];
+    let (ok, _, err) = kubectl(&[&ns_flag[..], &["annotate", "deployment", "web", "--overwrite", &format!("{REVISION}=9")]].concat());
+    assert!(!ok && err.contains("does not present a token"), "{err}");
+    let as_gc = format!("--as={GC}");
+    let (ok, _, err) = kubectl(&[&ns_flag[..], &[as_gc.as_str(), "annotate", "deployment", "web", "--overwrite", "fencedlease.io/token=1"]].concat());
+    assert!(!ok && err.contains("fencedlease"), "the GC's identity changed the token: {err}");
+
+    // The lease moves again; a cascading delete in the foreground: the garbage collector
+    // deletes the ReplicaSets, then removes its finalizer from the protected Deployment.
+    move_lease(&client, &ns.name, "inv", "pod-c").await;
+    deploys
+        .delete("web", &DeleteParams::foreground())
+        .await
+        .expect("delete");
+    eventually(
+        Duration::from_secs(60),
+        "the garbage collector to finish the cascading delete",
+        || async {
+            let gone = deploys.get_opt("web").await.ok()?.is_none();
+            let left = rs.list(&ListParams::default().labels("app=web")).await.ok()?;
+            (gone && left.items.is_empty()).then_some(())
+        },
+    )
+    .await;
+}

@@ -1,0 +1,173 @@
+//! Fencing holes 1 and 2: an Allow never rests on a view of the lease that lags. The webhook's
+//! own connection to the API server runs through a proxy that can freeze it (the watch goes
+//! silent, as one that dies without an error does) or cut it (the webhook cannot reach the API
+//! server while the API server still reaches the webhook).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::apiproxy::ApiProxy;
+use common::fencing::{
+    assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held,
+};
+use common::procs::scratch_dir;
+use common::webhook::{Webhook, WebhookOpts};
+use common::{client, ensure_crd, eventually, TestNamespace};
+use fencedlease::api::{FencedLease, FencedLeaseSpec};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::PostParams;
+use kube::Api;
+
+/// How soon the webhook turns unready (and ready again) after it loses (regains) the API
+/// server, as README claims: a probe every 2 s with a 2 s timeout, or at once on a failed read.
+const READINESS_BOUND: Duration = Duration::from_secs(5);
+
+struct Setup {
+    client: kube::Client,
+    ns: TestNamespace,
+    proxy: ApiProxy,
+    wh: Webhook,
+    cms: Api<ConfigMap>,
+    a: Held,
+}
+
+async fn setup(name: &str) -> Setup {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, name).await;
+    let dir = scratch_dir(name);
+    let proxy = ApiProxy::start(&dir);
+    let opts = WebhookOpts {
+        kubeconfig: Some(proxy.kubeconfig.clone()),
+        ..Default::default()
+    };
+    let wh = Webhook::start_with(&client, &dir, &ns.name, opts).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    create(
+        &cms,
+        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
+    )
+    .await
+    .expect("A creates the object with its token");
+    Setup {
+        client,
+        ns,
+        proxy,
+        wh,
+        cms,
+        a,
+    }
+}
+
+/// Writes as `h` until the webhook answers with something other than 503 (the frozen pooled
+/// connections time out first); returns that answer.
+async fn write_past_frozen_connections(
+    cms: &Api<ConfigMap>,
+    h: &Held,
+    by: &str,
+) -> Result<ConfigMap, (u16, String)> {
+    eventually(Duration::from_secs(30), "an answer that is not 503", || async {
+        match fenced_merge(cms, "inv", h, serde_json::json!({"data": {"by": by}})).await {
+            Err((503, _)) => None,
+            other => Some(other),
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn hole_1_a_lagging_lease_cache_never_lets_a_replaced_holders_token_through() {
+    let s = setup("hole1-stale").await;
+    s.proxy.freeze_open_connections();
+    let b = move_lease(&s.client, &s.ns.name, "inv", "pod-b").await;
+    // A's late write: its token is the one the frozen cache still shows as current.
+    let late = write_past_frozen_connections(&s.cms, &s.a, "a").await;
+    assert_refused(
+        "A's write after the lease moved",
+        late,
+        409,
+        &format!("stale token {}", s.a.token),
+    );
+    let m = s.wh.metrics();
+    let caught = common::metric_value(&m, "fencedlease_webhook_cache_lag_caught_total");
+    assert!(
+        caught >= 1.0,
+        "the cache must really have lagged (it would have allowed A):\n{m}"
+    );
+    // B's write is allowed although the cache has not seen B: the fresh read has.
+    write_past_frozen_connections(&s.cms, &b, "b")
+        .await
+        .expect("B writes with the current token");
+}
+
+#[tokio::test]
+async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready() {
+    let s = setup("hole1-cut").await;
+    assert_eq!(s.wh.readyz(), 200);
+    let cut = Instant::now();
+    s.proxy.cut();
+    // With no write to notice it, the probe turns the webhook unready within the bound.
+    eventually(READINESS_BOUND * 2, "the webhook to turn unready", || async {
+        (s.wh.readyz() == 503).then_some(())
+    })
+    .await;
+    let took = cut.elapsed();
+    assert!(
+        took <= READINESS_BOUND,
+        "unready only {took:?} after the cut (README claims within {READINESS_BOUND:?})"
+    );
+    // Even the holder's current token is refused: nothing can be confirmed (fail closed).
+    let b = move_lease(&s.client, &s.ns.name, "inv", "pod-b").await;
+    for (who, h) in [("A", &s.a), ("B", &b)] {
+        let r = fenced_merge(&s.cms, "inv", h, serde_json::json!({"data": {"by": who}})).await;
+        assert_refused(who, r, 503, "could not read FencedLease");
+    }
+    s.proxy.restore();
+    let back = Instant::now();
+    eventually(READINESS_BOUND * 2, "the webhook to turn ready", || async {
+        (s.wh.readyz() == 200).then_some(())
+    })
+    .await;
+    assert!(back.elapsed() <= READINESS_BOUND, "ready again only after {:?}", back.elapsed());
+    fenced_merge(&s.cms, "inv", &b, serde_json::json!({"data": {"by": "b"}}))
+        .await
+        .expect("B writes once the webhook can read again");
+    let late = fenced_merge(&s.cms, "inv", &s.a, serde_json::json!({"data": {"by": "a"}})).await;
+    assert_refused("A after the reconnect", late, 409, "stale token");
+}
+
+#[tokio::test]
+async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_cache_lags() {
+    let s = setup("hole2").await;
+    s.proxy.freeze_open_connections();
+    let leases: Api<FencedLease> = Api::namespaced(s.client.clone(), &s.ns.name);
+    common::delete_ignore_missing(&leases, "inv").await;
+    eventually(Duration::from_secs(10), "the lease to be gone", || async {
+        leases.get_opt("inv").await.ok().flatten().is_none().then_some(())
+    })
+    .await;
+    let mut spec = FencedLeaseSpec::free();
+    spec.holder_identity = Some("pod-c".into());
+    let l = leases
+        .create(&PostParams::default(), &FencedLease::new("inv", spec))
+        .await
+        .expect("re-create the lease");
+    let c = Held {
+        token: l.token().expect("generation"),
+        uid: l.metadata.uid.clone().expect("uid"),
+    };
+    assert!(c.token <= s.a.token, "tokens restart with the new incarnation");
+    write_past_frozen_connections(&s.cms, &c, "c")
+        .await
+        .expect("C, the new incarnation's holder, writes");
+    // A still presents the old incarnation's token, which the frozen cache shows as current.
+    let late = write_past_frozen_connections(&s.cms, &s.a, "a").await;
+    assert_refused("A's old-incarnation token", late, 409, "belongs to an earlier");
+    let stored = s.cms.get("inv").await.expect("read");
+    assert_eq!(
+        stored.data.unwrap_or_default().get("by").map(String::as_str),
+        Some("c")
+    );
+}

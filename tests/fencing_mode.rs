@@ -1,0 +1,87 @@
+//! Fencing holes 6 and 7: warn mode is chosen on the Namespace, never by a writer of the object;
+//! and a high token stored while warn mode let it through never locks out the real holder.
+
+mod common;
+
+use common::fencing::{assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held};
+use common::procs::scratch_dir;
+use common::webhook::Webhook;
+use common::{client, ensure_crd, kubectl, TestNamespace};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::Api;
+
+const MODE: &str = "fencedlease.io/fencing";
+
+fn annotate_namespace(ns: &str, value: Option<&str>) {
+    let kv = match value {
+        Some(v) => format!("{MODE}={v}"),
+        None => format!("{MODE}-"),
+    };
+    let (ok, _, err) = kubectl(&["annotate", "namespace", ns, "--overwrite", &kv]);
+    assert!(ok, "annotating namespace {ns}: {err}");
+}
+
+#[tokio::test]
+async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "hole6").await;
+    let dir = scratch_dir("hole6");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    create(
+        &cms,
+        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
+    )
+    .await
+    .expect("create");
+    let b = move_lease(&client, &ns.name, "inv", "pod-b").await;
+    fenced_merge(&cms, "inv", &b, serde_json::json!({"data": {"by": "b"}}))
+        .await
+        .expect("B writes");
+    // A, replaced, asks for warn mode in its own write: still refused.
+    let warn = serde_json::json!({"metadata": {"annotations": {MODE: "warn"}}, "data": {"by": "a"}});
+    let mut patch = warn.clone();
+    let r = fenced_merge(&cms, "inv", &a, patch.take()).await;
+    assert_refused("A's write asking for warn", r, 409, "stale token");
+    // Deletes are not fenced (README says so); A deletes and re-creates the object in warn mode
+    // with its stale token: the create is judged in the namespace's mode, enforce.
+    cms.delete("inv", &Default::default()).await.expect("delete");
+    let mut meta = protected_meta("inv", "inv", &a);
+    meta["annotations"][MODE] = "warn".into();
+    let r = create(&cms, serde_json::json!({"metadata": meta, "data": {"by": "a"}})).await;
+    assert_refused("A's re-create in warn mode", r, 409, "stale token");
+}
+
+#[tokio::test]
+async fn hole_7_a_forged_high_token_stored_in_warn_mode_does_not_lock_out_the_holder() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "hole7").await;
+    let dir = scratch_dir("hole7");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    create(
+        &cms,
+        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
+    )
+    .await
+    .expect("create");
+    annotate_namespace(&ns.name, Some("warn"));
+    let forged = Held {
+        token: 999_999,
+        uid: a.uid.clone(),
+    };
+    fenced_merge(&cms, "inv", &forged, serde_json::json!({"data": {"by": "forger"}}))
+        .await
+        .expect("warn mode lets the forged token through (with a warning)");
+    annotate_namespace(&ns.name, None);
+    // Back in enforce mode the holder's real token is accepted: 999999 counts for nothing.
+    fenced_merge(&cms, "inv", &a, serde_json::json!({"data": {"by": "a"}}))
+        .await
+        .expect("the holder is not locked out by the stored forged token");
+    let r = fenced_merge(&cms, "inv", &forged, serde_json::json!({"data": {"by": "forger"}})).await;
+    assert_refused("the forged token in enforce mode", r, 409, "is ahead of");
+}
