@@ -26,7 +26,7 @@ from typing import Any, Iterable
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 CLUSTER_DIR = Path(os.environ.get("FENCEDLEASE_CLUSTER_DIR", "/tmp/fencedlease-bench-cluster"))
-API_PORT = int(os.environ.get("FL_APISERVER_PORT", "36443"))
+API_PORT = int(os.environ.get("FL_APISERVER_PORT", "28443"))
 CACHE = Path(os.environ.get("FL_BENCH_CACHE", Path.home() / ".cache/fencedlease/bench"))
 FENCEDLEASE = Path(os.environ.get("FL_BENCH_BIN", CACHE / "fencedlease"))
 PEER = Path(os.environ.get("FL_BENCH_PEER", CACHE / "leader-election-peer"))

@@ -21,7 +21,7 @@
 # It builds what it needs (fencedlease in release mode, the bench binaries, the client-go peer
 # from the Kubernetes source tree, see bench/build-peer.sh; the same kube-apiserver as the tests
 # with finer admission latency buckets, see bench/build-apiserver.sh), starts its OWN local Kubernetes
-# (/tmp/fencedlease-bench-cluster, apiserver on 127.0.0.1:36443: not the tests' instance), and
+# (/tmp/fencedlease-bench-cluster, apiserver on 127.0.0.1:28443: not the tests' instance), and
 # stops it again at the end, with every process it started. Results: bench/results/<mode>-<time>/
 # (one JSON per benchmark, summary.json, tables.md, plots/). A full run in which every benchmark
 # it ran succeeded also folds them into the record, bench/results/full-record/ (bench/record.py:
@@ -57,8 +57,9 @@ fi
 
 # Our own cluster instance, never the tests' one.
 export FENCEDLEASE_CLUSTER_DIR="${FL_BENCH_CLUSTER_DIR:-/tmp/fencedlease-bench-cluster}"
-export FL_ETCD_PORT="${FL_BENCH_ETCD_PORT:-32379}" FL_ETCD_PEER_PORT="${FL_BENCH_ETCD_PEER_PORT:-32380}"
-export FL_APISERVER_PORT="${FL_BENCH_APISERVER_PORT:-36443}" FL_KCM_PORT="${FL_BENCH_KCM_PORT:-36257}"
+# Ports below Linux's ephemeral range (32768-60999), where an outgoing connection can hold them.
+export FL_ETCD_PORT="${FL_BENCH_ETCD_PORT:-28379}" FL_ETCD_PEER_PORT="${FL_BENCH_ETCD_PEER_PORT:-28380}"
+export FL_APISERVER_PORT="${FL_BENCH_APISERVER_PORT:-28443}" FL_KCM_PORT="${FL_BENCH_KCM_PORT:-28257}"
 export FL_BENCH_CACHE="${FL_BENCH_CACHE:-$FL_CACHE/bench}"
 export FL_BENCH_WORK="${FL_BENCH_WORK:-/tmp/fencedlease-bench-work}"
 export KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig"

@@ -70,6 +70,11 @@ wait_for() { # LABEL TIMEOUT_S LOGFILE CMD...
   local label="$1" timeout="$2" logfile="$3"; shift 3
   local start=$SECONDS next=5
   until "$@" >/dev/null 2>&1; do
+    # A component that exits while starting (a port taken, a bad flag) fails the start at once.
+    if [ -f "$DIR/pids/$label" ] && ! kill -0 "$(cat "$DIR/pids/$label")" 2>/dev/null; then
+      tail -n 20 "$logfile" >&2 || true
+      die "$label exited during start-up; log: $logfile"
+    fi
     if [ $((SECONDS - start)) -ge "$timeout" ]; then
       tail -n 20 "$logfile" >&2 || true
       die "$label did not become ready within $timeout s; log: $logfile (try: hack/cluster.sh down && hack/cluster.sh up)"

@@ -20,7 +20,8 @@ while [ $# -gt 0 ]; do
 done
 apt_install faketime curl openssl iproute2
 # Its own cluster (override with FL_HISTORY_CLUSTER_DIR and FL_HISTORY_PORT_BASE to run two).
-base="${FL_HISTORY_PORT_BASE:-52379}"
+# Ports below Linux's ephemeral range (32768-60999), where an outgoing connection can hold them.
+base="${FL_HISTORY_PORT_BASE:-20379}"
 export FENCEDLEASE_CLUSTER_DIR="${FL_HISTORY_CLUSTER_DIR:-/tmp/fencedlease-history-cluster}"
 export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((base + 4064)) FL_KCM_PORT=$((base + 3878))
 out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed}"
