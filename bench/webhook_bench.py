@@ -192,6 +192,17 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                                "data": {"n": "0"}})
     kube.request("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
                                "metadata": {"name": "plain", "annotations": ann}, "data": {"n": "0"}})
+    # The refused path: a ConfigMap whose lease then moved on, written with the old token. The
+    # webhook refuses it from its cache (the token is below a generation the lease reached)
+    # without reading the lease; an allow always reads it first.
+    old_uid, old_gen = held_lease(kube, ns, "moved")
+    stale_ann = {"fencedlease.io/token": str(old_gen), "fencedlease.io/lease-uid": old_uid}
+    kube.request("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
+                               "metadata": {"name": "stale", "annotations": stale_ann,
+                                            "labels": {"fencedlease.io/lease": "moved"}},
+                               "data": {"n": "0"}})
+    kube.request("PATCH", lib.fl_path(ns, "moved"), {"spec": {"holderIdentity": "worker-c"}},
+                 "application/merge-patch+json")
     wh, port, mport, bundle = lib.start_webhook("webhook-apiserver", work / "logs", work / "certs")
     name = f"fencedlease-bench-{ns}"
     lib.register_webhook(kube, name, port, bundle, ns)
@@ -200,21 +211,26 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
     bad = 0
     before = lib.http_get(mport, "/metrics")
     pooled: dict[float, float] = {}
-    every = {"protected": [], "plain": []}
+    every = {"protected": [], "plain": [], "refused": []}
+    anns = {"protected": ann, "plain": ann, "refused": stale_ann}
+    target = {"protected": "protected", "plain": "plain", "refused": "stale"}
+    want = {"protected": 200, "plain": 200, "refused": 409}
     try:
         for r in range(args.repeat):
             step(f"webhook through the API server, run {r + 1}/{args.repeat}: {args.updates} updates "
-                 f"each of a protected and a plain ConfigMap, interleaved (+{args.updates_warmup} warm-up)")
-            lat = {"protected": [], "plain": []}
+                 f"each of a protected, a plain and a refused (stale token) ConfigMap, interleaved "
+                 f"(+{args.updates_warmup} warm-up)")
+            lat = {"protected": [], "plain": [], "refused": []}
             for i in range(args.updates_warmup + args.updates):
                 if i == args.updates_warmup:
                     api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
-                for which in ("protected", "plain") if i % 2 == 0 else ("plain", "protected"):
-                    patch = {"metadata": {"annotations": dict(ann, **{"fencedlease.io/write-id": f"{r}-{i}"})},
+                order = ("protected", "plain", "refused")
+                for which in order[i % 3:] + order[:i % 3]:
+                    patch = {"metadata": {"annotations": dict(anns[which], **{"fencedlease.io/write-id": f"{r}-{i}"})},
                              "data": {"n": f"{r}-{i}"}}
-                    status, ns_elapsed = kube.timed("PATCH", f"{cms}/{which}", patch,
+                    status, ns_elapsed = kube.timed("PATCH", f"{cms}/{target[which]}", patch,
                                                     "application/merge-patch+json")
-                    if status != 200:
+                    if status != want[which]:
                         bad += 1
                     if i >= args.updates_warmup:
                         lat[which].append(ns_elapsed / 1e6)
@@ -223,9 +239,10 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
             api_after = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
             for k in every:
                 every[k] += lat[k]
-            sp, sl = stats(lat["protected"]), stats(lat["plain"])
-            run = {"protected_ms": sp, "plain_ms": sl,
+            sp, sl, sr = stats(lat["protected"]), stats(lat["plain"]), stats(lat["refused"])
+            run = {"protected_ms": sp, "plain_ms": sl, "refused_ms": sr,
                    "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
+                   "refused_added_ms": {k: sr[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
                    "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after)}
             for le, n in api_after.items():
                 pooled[le] = pooled.get(le, 0) + n - api_before.get(le, 0)
@@ -248,7 +265,8 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                                  f"{args.updates} protected updates: the measurement does not see "
                                  "what it should")
             log(f"  protected p50 {sp['p50']:.2f} ms p99 {sp['p99']:.2f} ms; plain p50 {sl['p50']:.2f} ms "
-                f"p99 {sl['p99']:.2f} ms; added p50 {run['added_ms']['p50']:.2f} ms "
+                f"p99 {sl['p99']:.2f} ms; refused p50 {sr['p50']:.2f} ms p99 {sr['p99']:.2f} ms; "
+                f"added p50 {run['added_ms']['p50']:.2f} ms "
                 f"p99 {run['added_ms']['p99']:.2f} ms; the API server's call to the webhook: "
                 + (f"p50 <= {call['p50']:.3f} ms, p99 <= {call['p99']:.3f} ms ({call['calls']} calls for "
                    f"{args.updates} updates)"
@@ -263,17 +281,20 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                - lib.metric_values(before, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0))
     # All runs together: the difference of the pooled percentiles, with a bootstrap interval
     # (how much of it is sampling: a p99 rests on the slowest 1 % of each side).
-    sp, sl = stats(every["protected"]), stats(every["plain"])
+    sp, sl, sr = stats(every["protected"]), stats(every["plain"]), stats(every["refused"])
     added = {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")}
+    refused_added = {k: sr[k] - sl[k] for k in ("p50", "p90", "p99", "mean")}
     # The API server's own timing of the webhook call, over all runs together.
     calls = webhook_call_ms({}, pooled)
     res = {"namespace": ns, "updates_each": args.updates, "repeat": args.repeat, "non_200": bad,
            "webhook_allowed_reviews": allowed, "runs": runs,
            "protected_ms": sp, "plain_ms": sl, "added_ms": added,
+           "refused_ms": sr, "refused_added_ms": refused_added,
+           "refused_added_p99_ci95_ms": bootstrap_ci(every["refused"], every["plain"], 99),
            "added_p99_ci95_ms": bootstrap_ci(every["protected"], every["plain"], 99),
            "apiserver_webhook_call_ms": calls}
     if bad:
-        raise SystemExit(f"{bad} updates were not answered 200")
+        raise SystemExit(f"{bad} updates were not answered as expected (200, or 409 for the stale token)")
     return res
 
 
