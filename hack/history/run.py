@@ -229,18 +229,19 @@ class Run:
             kind = self.rng.choice(["pause_short", "pause_long", "pause_long", "pause_candidate_only", "kill",
                                     "webhook", "controller", "apiserver", "etcd", "hang"])
             say(f"nemesis: {kind} (holder {h})")
-            if kind.startswith("pause") and target:
-                d = self.rng.uniform(0.3, 1.2) if kind == "pause_short" else self.rng.uniform(2.5, 6.0)
-                self.send(target, signal.SIGSTOP)
-                time.sleep(d)
-                self.send(target, signal.SIGCONT)
-            elif kind == "pause_candidate_only" and target and target != "sidecar":
+            # Tested before the whole-group pauses: "pause_candidate_only" starts with "pause" too.
+            if kind == "pause_candidate_only" and target and target != "sidecar":
                 # The candidate freezes but its app does not: the app keeps writing with a
                 # token that goes stale once another candidate takes over.
                 p = self.procs[target][0]
                 os.kill(p.pid, signal.SIGSTOP)
                 time.sleep(self.rng.uniform(3.0, 6.0))
                 os.kill(p.pid, signal.SIGCONT)
+            elif kind in ("pause_short", "pause_long") and target:
+                d = self.rng.uniform(0.3, 1.2) if kind == "pause_short" else self.rng.uniform(2.5, 6.0)
+                self.send(target, signal.SIGSTOP)
+                time.sleep(d)
+                self.send(target, signal.SIGCONT)
             elif kind == "kill" and target:
                 self.restart(target, signal.SIGKILL, delay=self.rng.uniform(0.2, 2.0))
             elif kind == "webhook":
