@@ -45,7 +45,8 @@ pub struct SidecarArgs {
     #[arg(long, env = "FENCEDLEASE_LEASE_DURATION", default_value_t = 15,
           value_parser = clap::value_parser!(i32).range(1..=3600))]
     pub lease_duration: i32,
-    /// Folder for the token files: `token` and `lease-uid` exist only while leading.
+    /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
+    /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.
     #[arg(
         long,
         env = "FENCEDLEASE_TOKEN_DIR",
@@ -241,6 +242,7 @@ async fn token_files(
         let want = state
             .leading_token(now)
             .map(|t| (t.generation, t.lease_uid.clone()));
+        let mut retry_at = None;
         if want != written {
             let res = match &want {
                 Some((token, uid)) => write_token_files(&dir, *token, uid),
@@ -249,7 +251,8 @@ async fn token_files(
             match res {
                 Ok(()) => written = want,
                 Err(e) => {
-                    warn!(error = %e, dir = %dir.display(), "updating the token files failed")
+                    warn!(error = %e, dir = %dir.display(), "updating the token files failed; retrying");
+                    retry_at = Some(now + TOKEN_FILES_RETRY);
                 }
             }
         }
@@ -257,6 +260,7 @@ async fn token_files(
             LeaderState::Leading { valid_until, .. } if now < *valid_until => *valid_until,
             _ => now + Duration::from_secs(3600),
         };
+        let deadline = retry_at.map_or(deadline, |r| r.min(deadline));
         tokio::select! {
             r = rx.changed() => if r.is_err() { break },
             () = tokio::time::sleep_until(deadline) => {}
@@ -268,8 +272,15 @@ async fn token_files(
     }
 }
 
+/// The files in the token dir while leading: the token, and the lease UID to send with it.
+const TOKEN_FILES: [&str; 2] = ["token", "lease-uid"];
+/// Each is written to a file with this extension first, then renamed over it.
+const TMP_EXTENSION: &str = "tmp";
+/// How soon to try again when updating the token files failed.
+const TOKEN_FILES_RETRY: Duration = Duration::from_millis(250);
+
 fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    let tmp = path.with_extension(TMP_EXTENSION);
     std::fs::write(&tmp, content)?;
     std::fs::rename(&tmp, path)
 }
@@ -282,11 +293,40 @@ fn write_token_files(dir: &Path, token: i64, uid: &str) -> std::io::Result<()> {
 }
 
 fn remove_token_files(dir: &Path) -> std::io::Result<()> {
-    for f in ["token", "lease-uid"] {
-        match std::fs::remove_file(dir.join(f)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+    for f in TOKEN_FILES {
+        remove_if_present(&dir.join(f))?;
+    }
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// A token file left by an earlier run that could not be removed at start-up.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "removing {path}, left by an earlier run of the sidecar, failed: {source}. The app could \
+     take it for leadership, so the sidecar does not start: make the token dir writable by the \
+     sidecar (or remove the file), then restart it"
+)]
+pub struct StaleTokenFile {
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+/// Removes the token files (and half-written ones) that an earlier run left behind: after a
+/// crash, an OOM kill or a liveness restart they are still in the token dir, an emptyDir the
+/// app shares, and would tell the app it leads. Runs first at start-up, before anything else
+/// can fail.
+pub fn clear_stale_token_files(dir: &Path) -> Result<(), StaleTokenFile> {
+    for f in TOKEN_FILES {
+        let file = dir.join(f);
+        for path in [file.with_extension(TMP_EXTENSION), file] {
+            remove_if_present(&path).map_err(|source| StaleTokenFile { path, source })?;
         }
     }
     Ok(())
@@ -554,6 +594,8 @@ fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListene
 }
 
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
+    // First of all: until this sidecar leads, no token file may say that it does.
+    clear_stale_token_files(&args.token_dir)?;
     if !args.listen.ip().is_loopback() {
         anyhow::bail!(
             "--listen {} is not a loopback address: the sidecar API hands out the token and must stay inside the pod (use 127.0.0.1)",
@@ -968,6 +1010,47 @@ mod tests {
         );
         let closed = parse_http_url("http://127.0.0.1:1/").expect("url");
         assert!(!check_health(&closed, Duration::from_secs(1)).await);
+    }
+
+    #[test]
+    fn stale_token_files_are_cleared_at_start_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("fl-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in [
+            "token",
+            "lease-uid",
+            "token.tmp",
+            "lease-uid.tmp",
+            "app-file",
+        ] {
+            std::fs::write(dir.join(f), "41\n").expect("write");
+        }
+        clear_stale_token_files(&dir).expect("clear");
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["app-file"], "only the sidecar's own files go");
+        clear_stale_token_files(&dir).expect("nothing to clear is fine");
+        clear_stale_token_files(&dir.join("absent")).expect("no token dir yet is fine");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_stale_token_file_that_cannot_be_removed_stops_the_start_with_a_clear_error() {
+        let dir = std::env::temp_dir().join(format!("fl-stuck-{}", std::process::id()));
+        // A non-empty directory in the token file's place: remove_file fails even for root.
+        std::fs::create_dir_all(dir.join("token").join("x")).expect("dir");
+        let err = clear_stale_token_files(&dir).expect_err("must refuse to start");
+        let text = err.to_string();
+        assert!(
+            text.contains(&dir.join("token").display().to_string()),
+            "{text}"
+        );
+        assert!(text.contains("earlier run"), "{text}");
+        assert!(text.contains("make the token dir writable"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
