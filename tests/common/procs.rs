@@ -85,6 +85,16 @@ pub fn scratch_dir(test: &str) -> PathBuf {
 }
 
 pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
+    spawn_fencedlease_env(name, dir, args, &[])
+}
+
+/// As [`spawn_fencedlease`], with extra environment variables that win over its own.
+pub fn spawn_fencedlease_env(
+    name: &str,
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Proc {
     let events = dir.join(format!("{name}.events"));
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
@@ -92,6 +102,7 @@ pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
         .args(args)
         .env("KUBECONFIG", kubeconfig_path())
         .env("RUST_LOG", "info,kube=warn")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(logf.try_clone().expect("dup log"))
         .stderr(logf)
