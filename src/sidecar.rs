@@ -45,7 +45,8 @@ pub struct SidecarArgs {
     #[arg(long, env = "FENCEDLEASE_LEASE_DURATION", default_value_t = 15,
           value_parser = clap::value_parser!(i32).range(1..=3600))]
     pub lease_duration: i32,
-    /// Folder for the token files: `token` and `lease-uid` exist only while leading.
+    /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
+    /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.
     #[arg(
         long,
         env = "FENCEDLEASE_TOKEN_DIR",
@@ -241,6 +242,7 @@ async fn token_files(
         let want = state
             .leading_token(now)
             .map(|t| (t.generation, t.lease_uid.clone()));
+        let mut retry_at = None;
         if want != written {
             let res = match &want {
                 Some((token, uid)) => write_token_files(&dir, *token, uid),
@@ -249,7 +251,8 @@ async fn token_files(
             match res {
                 Ok(()) => written = want,
                 Err(e) => {
-                    warn!(error = %e, dir = %dir.display(), "updating the token files failed")
+                    warn!(error = %e, dir = %dir.display(), "updating the token files failed; retrying");
+                    retry_at = Some(now + TOKEN_FILES_RETRY);
                 }
             }
         }
@@ -257,6 +260,7 @@ async fn token_files(
             LeaderState::Leading { valid_until, .. } if now < *valid_until => *valid_until,
             _ => now + Duration::from_secs(3600),
         };
+        let deadline = retry_at.map_or(deadline, |r| r.min(deadline));
         tokio::select! {
             r = rx.changed() => if r.is_err() { break },
             () = tokio::time::sleep_until(deadline) => {}
@@ -268,8 +272,15 @@ async fn token_files(
     }
 }
 
+/// The files in the token dir while leading: the token, and the lease UID to send with it.
+const TOKEN_FILES: [&str; 2] = ["token", "lease-uid"];
+/// Each is written to a file with this extension first, then renamed over it.
+const TMP_EXTENSION: &str = "tmp";
+/// How soon to try again when updating the token files failed.
+const TOKEN_FILES_RETRY: Duration = Duration::from_millis(250);
+
 fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    let tmp = path.with_extension(TMP_EXTENSION);
     std::fs::write(&tmp, content)?;
     std::fs::rename(&tmp, path)
 }
@@ -282,11 +293,40 @@ fn write_token_files(dir: &Path, token: i64, uid: &str) -> std::io::Result<()> {
 }
 
 fn remove_token_files(dir: &Path) -> std::io::Result<()> {
-    for f in ["token", "lease-uid"] {
-        match std::fs::remove_file(dir.join(f)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+    for f in TOKEN_FILES {
+        remove_if_present(&dir.join(f))?;
+    }
+    Ok(())
+}
+
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// A token file left by an earlier run that could not be removed at start-up.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "removing {path}, left by an earlier run of the sidecar, failed: {source}. The app could \
+     take it for leadership, so the sidecar does not start: make the token dir writable by the \
+     sidecar (or remove the file), then restart it"
+)]
+pub struct StaleTokenFile {
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+/// Removes the token files (and half-written ones) that an earlier run left behind: after a
+/// crash, an OOM kill or a liveness restart they are still in the token dir, an emptyDir the
+/// app shares, and would tell the app it leads. Runs first at start-up, before anything else
+/// can fail.
+pub fn clear_stale_token_files(dir: &Path) -> Result<(), StaleTokenFile> {
+    for f in TOKEN_FILES {
+        let file = dir.join(f);
+        for path in [file.with_extension(TMP_EXTENSION), file] {
+            remove_if_present(&path).map_err(|source| StaleTokenFile { path, source })?;
         }
     }
     Ok(())
@@ -295,40 +335,102 @@ fn remove_token_files(dir: &Path) -> std::io::Result<()> {
 /// A plain http:// URL split into what a GET needs.
 #[derive(Debug, PartialEq, Eq)]
 pub struct HttpUrl {
+    /// The host name or IP address to connect to; an IPv6 address without its brackets.
     pub host: String,
     pub port: u16,
+    /// The path and query to request; always starts with `/`.
     pub path: String,
 }
 
-/// Parses `http://host[:port][/path]`. Only plain HTTP: the app listens on the pod's loopback.
-pub fn parse_http_url(url: &str) -> Result<HttpUrl, String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        format!("{url:?}: only http:// URLs are supported for the app health check")
-    })?;
-    let (authority, path) = match rest.find('/') {
-        Some(i) => (&rest[..i], &rest[i..]),
-        None => (rest, "/"),
-    };
-    if authority.is_empty() {
-        return Err(format!("{url:?}: no host"));
-    }
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
-            let port = p
-                .parse::<u16>()
-                .map_err(|_| format!("{url:?}: bad port {p:?}"))?;
-            (h.to_string(), port)
+impl HttpUrl {
+    /// The Host header's value: an IPv6 address in brackets; the port unless it is 80.
+    pub fn host_header(&self) -> String {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        if self.port == 80 {
+            host
+        } else {
+            format!("{host}:{}", self.port)
         }
-        _ => (authority.to_string(), 80),
-    };
-    if host.is_empty() {
-        return Err(format!("{url:?}: no host"));
     }
-    Ok(HttpUrl {
-        host,
-        port,
-        path: path.to_string(),
-    })
+}
+
+/// Parses `http://HOST[:PORT][/PATH][?QUERY]`, where HOST is a name, an IPv4 address or an IPv6
+/// address in brackets (`http://[::1]:8080/healthz`). Only plain HTTP, without user info: the
+/// app listens inside the pod. The error says what is wrong and how to write it.
+pub fn parse_http_url(url: &str) -> Result<HttpUrl, String> {
+    let bad = |why: &str| format!("{url:?}: {why}");
+    let uri: axum::http::Uri = url
+        .parse()
+        .map_err(|e| bad(&format!("not a URL ({e}); write http://HOST[:PORT]/PATH")))?;
+    if !uri
+        .scheme_str()
+        .is_some_and(|s| s.eq_ignore_ascii_case("http"))
+    {
+        return Err(bad(
+            "only http:// URLs are supported for the app health check (write http://HOST[:PORT]/PATH)",
+        ));
+    }
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    if authority.contains('@') {
+        return Err(bad("user info (USER@HOST) is not supported: remove it"));
+    }
+    let (host, port) = split_host_port(authority).map_err(|why| bad(&why))?;
+    let path = match uri.path_and_query().map_or("", |p| p.as_str()) {
+        "" => "/".to_string(),
+        p if p.starts_with('/') => p.to_string(),
+        p => format!("/{p}"),
+    };
+    Ok(HttpUrl { host, port, path })
+}
+
+/// Splits a URL's authority (user info already refused) into the host to connect to and the
+/// port (80 when absent).
+fn split_host_port(authority: &str) -> Result<(String, u16), String> {
+    const HOW: &str = "write http://HOST[:PORT]/PATH, an IPv6 HOST in brackets";
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (inside, after) = rest
+            .split_once(']')
+            .ok_or_else(|| format!("unclosed '[' in the host; {HOW}"))?;
+        let ip: std::net::Ipv6Addr = inside.parse().map_err(|_| {
+            format!("[{inside}] is not an IPv6 address (zone IDs are not supported); {HOW}")
+        })?;
+        if !after.is_empty() && !after.starts_with(':') {
+            return Err(format!(
+                "unexpected {after:?} after the IPv6 address; {HOW}"
+            ));
+        }
+        (ip.to_string(), after.strip_prefix(':'))
+    } else {
+        let (h, p) = match authority.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        };
+        if h.is_empty() {
+            return Err(format!("no host; {HOW}"));
+        }
+        let name_char = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.';
+        if !h.chars().all(name_char) {
+            return Err(format!(
+                "{h:?} is neither a host name nor an IP address; {HOW}"
+            ));
+        }
+        (h.to_string(), p)
+    };
+    let port = match port {
+        None => 80,
+        Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            match p.parse::<u16>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(format!("port {p} is out of range: use 1 to 65535")),
+            }
+        }
+        Some(p) => return Err(format!("bad port {p:?}: use a number from 1 to 65535")),
+    };
+    Ok((host, port))
 }
 
 /// One health check: a GET that must answer 2xx within `timeout`.
@@ -339,7 +441,8 @@ pub async fn check_health(url: &HttpUrl, timeout: Duration) -> bool {
             .ok()?;
         let req = format!(
             "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: fencedlease-sidecar\r\nConnection: close\r\n\r\n",
-            url.path, url.host
+            url.path,
+            url.host_header()
         );
         stream.write_all(req.as_bytes()).await.ok()?;
         let mut buf = [0u8; 16];
@@ -491,6 +594,8 @@ fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListene
 }
 
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
+    // First of all: until this sidecar leads, no token file may say that it does.
+    clear_stale_token_files(&args.token_dir)?;
     if !args.listen.ip().is_loopback() {
         anyhow::bail!(
             "--listen {} is not a loopback address: the sidecar API hands out the token and must stay inside the pod (use 127.0.0.1)",
@@ -757,32 +862,117 @@ mod tests {
 
     #[test]
     fn health_urls_parse_strictly() {
-        assert_eq!(
-            parse_http_url("http://127.0.0.1:8080/healthz"),
+        let ok = |host: &str, port: u16, path: &str| {
             Ok(HttpUrl {
-                host: "127.0.0.1".into(),
-                port: 8080,
-                path: "/healthz".into()
+                host: host.into(),
+                port,
+                path: path.into(),
             })
-        );
-        assert_eq!(
-            parse_http_url("http://localhost"),
-            Ok(HttpUrl {
-                host: "localhost".into(),
-                port: 80,
-                path: "/".into()
-            })
-        );
-        for bad in [
-            "https://x/",
-            "x:80",
-            "http://",
-            "http://:80/",
-            "http://h:99999/",
-            "http://h:x/",
+        };
+        for (url, want) in [
+            (
+                "http://127.0.0.1:8080/healthz",
+                ok("127.0.0.1", 8080, "/healthz"),
+            ),
+            ("http://localhost", ok("localhost", 80, "/")),
+            ("http://localhost/", ok("localhost", 80, "/")),
+            (
+                "HTTP://App-1.svc.local:81/a/b?x=1&y",
+                ok("App-1.svc.local", 81, "/a/b?x=1&y"),
+            ),
+            ("http://h?ready", ok("h", 80, "/?ready")),
+            ("http://[::1]:8080/", ok("::1", 8080, "/")),
+            ("http://[::1]/", ok("::1", 80, "/")),
+            ("http://[::1]", ok("::1", 80, "/")),
+            (
+                "http://[2001:DB8::1]:65535/h",
+                ok("2001:db8::1", 65535, "/h"),
+            ),
+            (
+                "http://[::ffff:127.0.0.1]:9/",
+                ok("::ffff:127.0.0.1", 9, "/"),
+            ),
+            ("http://h:1/p#frag", ok("h", 1, "/p")),
         ] {
-            assert!(parse_http_url(bad).is_err(), "{bad}");
+            assert_eq!(parse_http_url(url), want, "{url}");
         }
+        for (bad, says) in [
+            ("https://x/", "only http://"),
+            ("ftp://x/", "only http://"),
+            ("x:80", "only http://"),
+            ("/healthz", "only http://"),
+            ("", "not a URL"),
+            ("http://", "not a URL"),
+            ("http://:80/", "no host"),
+            ("http:///p", "not a URL"),
+            ("http://h:0/", "out of range"),
+            ("http://h:99999/", "out of range"),
+            ("http://[::1]:70000/", "out of range"),
+            ("http://h:x/", "bad port"),
+            ("http://h:+80/", "bad port"),
+            ("http://h:/", "bad port"),
+            ("http://[::1]:/", "bad port"),
+            ("http://user:pw@h/", "user info"),
+            ("http://u@[::1]:80/", "user info"),
+            ("http://::1/", "not a URL"),
+            ("http://[::1/", "not a URL"),
+            ("http://[nope]/", "not an IPv6 address"),
+            ("http://[fe80::1%25eth0]/", "not an IPv6 address"),
+            ("http://[::1]x/", "after the IPv6 address"),
+            ("http://h!st/", "neither a host name"),
+            ("http://h/a b", "not a URL"),
+            ("http://h/\r\nX: y", "not a URL"),
+        ] {
+            match parse_http_url(bad) {
+                Ok(u) => panic!("{bad:?} was accepted as {u:?}"),
+                Err(e) => assert!(e.contains(says), "{bad:?}: {e:?} should say {says:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_host_header_brackets_ipv6_and_names_a_port_other_than_80() {
+        for (url, header) in [
+            ("http://[::1]:8080/", "[::1]:8080"),
+            ("http://[::1]/", "[::1]"),
+            ("http://127.0.0.1:81/", "127.0.0.1:81"),
+            ("http://localhost/", "localhost"),
+        ] {
+            let u = parse_http_url(url).expect("a good URL");
+            assert_eq!(u.host_header(), header, "{url}");
+        }
+    }
+
+    /// The health check reaches an app listening on IPv6 loopback and names it in the Host
+    /// header the way HTTP wants (`[::1]:PORT`).
+    #[tokio::test]
+    async fn health_check_reaches_an_app_on_ipv6_loopback() {
+        let listener = tokio::net::TcpListener::bind("[::1]:0")
+            .await
+            .expect("binding [::1] (IPv6 loopback)");
+        let port = listener.local_addr().expect("addr").port();
+        let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            if let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = vec![0u8; 1024];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let _ = seen_tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+                let _ = s
+                    .write_all(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        });
+        let url = parse_http_url(&format!("http://[::1]:{port}/healthz?deep=1")).expect("url");
+        assert!(check_health(&url, Duration::from_secs(2)).await);
+        let request = seen_rx.await.expect("the app saw a request");
+        assert!(
+            request.starts_with("GET /healthz?deep=1 HTTP/1.1\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.contains(&format!("\r\nHost: [::1]:{port}\r\n")),
+            "{request}"
+        );
     }
 
     #[tokio::test]
@@ -820,6 +1010,47 @@ mod tests {
         );
         let closed = parse_http_url("http://127.0.0.1:1/").expect("url");
         assert!(!check_health(&closed, Duration::from_secs(1)).await);
+    }
+
+    #[test]
+    fn stale_token_files_are_cleared_at_start_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("fl-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in [
+            "token",
+            "lease-uid",
+            "token.tmp",
+            "lease-uid.tmp",
+            "app-file",
+        ] {
+            std::fs::write(dir.join(f), "41\n").expect("write");
+        }
+        clear_stale_token_files(&dir).expect("clear");
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["app-file"], "only the sidecar's own files go");
+        clear_stale_token_files(&dir).expect("nothing to clear is fine");
+        clear_stale_token_files(&dir.join("absent")).expect("no token dir yet is fine");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_stale_token_file_that_cannot_be_removed_stops_the_start_with_a_clear_error() {
+        let dir = std::env::temp_dir().join(format!("fl-stuck-{}", std::process::id()));
+        // A non-empty directory in the token file's place: remove_file fails even for root.
+        std::fs::create_dir_all(dir.join("token").join("x")).expect("dir");
+        let err = clear_stale_token_files(&dir).expect_err("must refuse to start");
+        let text = err.to_string();
+        assert!(
+            text.contains(&dir.join("token").display().to_string()),
+            "{text}"
+        );
+        assert!(text.contains("earlier run"), "{text}");
+        assert!(text.contains("make the token dir writable"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -85,18 +85,25 @@ pub fn scratch_dir(test: &str) -> PathBuf {
 }
 
 pub fn spawn_fencedlease(name: &str, dir: &Path, args: &[&str]) -> Proc {
-    spawn_fencedlease_with(name, dir, args, &kubeconfig_path())
+    spawn_fencedlease_env(name, dir, args, &[])
 }
 
-/// Like `spawn_fencedlease`, with a kubeconfig of the caller's (e.g. through a proxy).
-pub fn spawn_fencedlease_with(name: &str, dir: &Path, args: &[&str], kubeconfig: &Path) -> Proc {
+/// As [`spawn_fencedlease`], with extra environment variables that win over its own (a
+/// `KUBECONFIG` through a proxy, say).
+pub fn spawn_fencedlease_env(
+    name: &str,
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Proc {
     let events = dir.join(format!("{name}.events"));
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
     let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
         .args(args)
-        .env("KUBECONFIG", kubeconfig)
+        .env("KUBECONFIG", kubeconfig_path())
         .env("RUST_LOG", "info,kube=warn")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(logf.try_clone().expect("dup log"))
         .stderr(logf)

@@ -9,7 +9,7 @@ use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::api::PostParams;
 use kube::{Api, Client};
 
-use super::procs::{spawn_fencedlease_with, Proc};
+use super::procs::{spawn_fencedlease_env, Proc};
 
 /// `n` distinct free ports (all held open while choosing, so none repeats).
 pub fn free_ports(n: usize) -> Vec<u16> {
@@ -136,7 +136,12 @@ impl Webhook {
         ];
         args.extend(opts.extra_args.iter().map(String::as_str));
         let kubeconfig = opts.kubeconfig.unwrap_or_else(super::kubeconfig_path);
-        let proc = spawn_fencedlease_with("webhook", dir, &args, &kubeconfig);
+        let proc = spawn_fencedlease_env(
+            "webhook",
+            dir,
+            &args,
+            &[("KUBECONFIG", kubeconfig.as_os_str())],
+        );
         let config_name = format!("fencedlease-test-{ns}");
         let wh = Webhook {
             proc,
