@@ -1,12 +1,13 @@
 //! Sidecar injection as a pure function: a pod in, the same pod with the `fencedlease` sidecar
 //! out (or a clear refusal of bad annotations). Idempotent: an injected pod is left alone.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use serde_json::{json, Value};
 
 /// Pod annotation naming the FencedLease (in the pod's namespace) to campaign for.
 pub const LEASE_ANNOTATION: &str = "fencedlease.io/lease";
-/// `"false"` opts a pod out of injection.
+/// `"false"`, as a label or an annotation, opts a pod out of injection. (The Helm chart's
+/// registration also skips pods with the label, so they do not even reach the webhook.)
 pub const INJECT_ANNOTATION: &str = "fencedlease.io/inject";
 pub const DURATION_ANNOTATION: &str = "fencedlease.io/lease-duration";
 pub const PORT_ANNOTATION: &str = "fencedlease.io/port";
@@ -47,6 +48,34 @@ fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
         .map(String::as_str)
 }
 
+/// Has the pod opted out, with the label (as the chart's registration expects) or the annotation?
+fn opted_out(pod: &Pod) -> bool {
+    let label = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(INJECT_ANNOTATION));
+    label.map(String::as_str) == Some("false")
+        || annotation(pod, INJECT_ANNOTATION) == Some("false")
+}
+
+/// Refuses a pod on the node's network (`hostNetwork: true`). Its loopback is the node's: every
+/// process on the node could read the token from the sidecar's API on 127.0.0.1 and write with
+/// the pod's token through the sidecar's API proxy.
+pub fn refuse_host_network(spec: &PodSpec) -> Result<(), String> {
+    if spec.host_network != Some(true) {
+        return Ok(());
+    }
+    Err(format!(
+        "fencedlease: refusing to inject the sidecar into a hostNetwork pod: its 127.0.0.1 is the \
+         node's, so any process on the node could read the fencing token from the sidecar's API \
+         and write with it through the sidecar's API proxy. Run the workload without \
+         hostNetwork, or opt the pod out with the label {INJECT_ANNOTATION}: \"false\" and run \
+         its command under `fencedlease campaign --lease LEASE -- CMD` (the token then goes to \
+         the command alone, in its environment)"
+    ))
+}
+
 /// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
 fn valid_name(s: &str) -> bool {
     !s.is_empty()
@@ -62,10 +91,11 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
         return Ok(Injection::Skip("no lease annotation"));
     };
-    if annotation(pod, INJECT_ANNOTATION) == Some("false") {
+    if opted_out(pod) {
         return Ok(Injection::Skip("opted out"));
     }
     let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
+    refuse_host_network(spec)?;
     let already = spec.containers.iter().any(|c| c.name == CONTAINER)
         || spec
             .init_containers
@@ -421,6 +451,77 @@ mod tests {
             ),
             Ok(Injection::Skip("opted out"))
         );
+    }
+
+    #[test]
+    fn host_network_pods_are_refused() {
+        for (host_network, refused) in [(None, false), (Some(false), false), (Some(true), true)] {
+            let spec = PodSpec {
+                host_network,
+                ..PodSpec::default()
+            };
+            let got = refuse_host_network(&spec);
+            assert_eq!(
+                got.is_err(),
+                refused,
+                "hostNetwork {host_network:?}: {got:?}"
+            );
+            if let Err(msg) = got {
+                // Why, and what to do instead.
+                for want in [
+                    "hostNetwork",
+                    "any process on the node",
+                    "without hostNetwork",
+                    "fencedlease.io/inject: \"false\"",
+                    "fencedlease campaign",
+                ] {
+                    assert!(msg.contains(want), "{want:?} in {msg}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn host_network_pods_asking_for_the_sidecar_are_refused_unless_opted_out() {
+        let host = |labels: Value, annotations: Value| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": "web-1", "labels": labels, "annotations": annotations},
+                "spec": {"hostNetwork": true, "containers": [{"name": "app", "image": "app:1"}]}
+            }))
+            .expect("pod")
+        };
+        let lease = json!({LEASE_ANNOTATION: "db"});
+        for (labels, annotations, want) in [
+            (json!({}), lease.clone(), Err(())),
+            (
+                json!({}),
+                json!({}),
+                Ok(Injection::Skip("no lease annotation")),
+            ),
+            (
+                json!({INJECT_ANNOTATION: "false"}),
+                lease.clone(),
+                Ok(Injection::Skip("opted out")),
+            ),
+            (
+                json!({}),
+                json!({LEASE_ANNOTATION: "db", INJECT_ANNOTATION: "false"}),
+                Ok(Injection::Skip("opted out")),
+            ),
+            (json!({INJECT_ANNOTATION: "true"}), lease.clone(), Err(())),
+        ] {
+            for native in [false, true] {
+                let got = inject(&host(labels.clone(), annotations.clone()), &cfg(native));
+                match (&got, &want) {
+                    (Err(msg), Err(())) => assert!(msg.contains("hostNetwork"), "{msg}"),
+                    _ => assert_eq!(
+                        got.as_ref().ok(),
+                        want.as_ref().ok(),
+                        "{labels} {annotations}"
+                    ),
+                }
+            }
+        }
     }
 
     #[test]
