@@ -1,12 +1,16 @@
-//! Sidecar injection as a pure function: a pod in, the same pod with the `fencedlease` sidecar
-//! out (or a clear refusal of bad annotations). Idempotent: an injected pod is left alone.
+//! Sidecar injection as pure functions: [`inject`] decides whether and what to add to a pod (or
+//! refuses, with a message for its author), and [`patch`] turns that into explicit JSON Patch
+//! `add` operations against the pod as sent. Idempotent: an injected pod is left alone.
 
-use k8s_openapi::api::core::v1::Pod;
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use serde_json::{json, Value};
 
 /// Pod annotation naming the FencedLease (in the pod's namespace) to campaign for.
 pub const LEASE_ANNOTATION: &str = "fencedlease.io/lease";
-/// `"false"` opts a pod out of injection.
+/// `"false"`, as a label or an annotation, opts a pod out of injection. (The Helm chart's
+/// registration also skips pods with the label, so they do not even reach the webhook.)
 pub const INJECT_ANNOTATION: &str = "fencedlease.io/inject";
 pub const DURATION_ANNOTATION: &str = "fencedlease.io/lease-duration";
 pub const PORT_ANNOTATION: &str = "fencedlease.io/port";
@@ -35,8 +39,23 @@ pub struct InjectConfig {
 pub enum Injection {
     /// Nothing to do, and why.
     Skip(&'static str),
-    /// The pod with the sidecar.
-    Inject(Box<Value>),
+    /// Add these to the pod ([`patch`] says where).
+    Inject(Box<Additions>),
+}
+
+/// What injection adds to a pod.
+#[derive(Debug, PartialEq)]
+pub struct Additions {
+    /// The sidecar container (with `restartPolicy: Always` when native).
+    pub sidecar: Value,
+    /// A native sidecar, first among the init containers; else the last container.
+    pub native: bool,
+    /// Appended to every app container's `env`.
+    pub env: Vec<Value>,
+    /// Appended to every app container's `volumeMounts`.
+    pub mount: Value,
+    /// Appended to the pod's `volumes`.
+    pub volume: Value,
 }
 
 fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
@@ -45,6 +64,34 @@ fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
         .as_ref()
         .and_then(|a| a.get(key))
         .map(String::as_str)
+}
+
+/// Has the pod opted out, with the label (as the chart's registration expects) or the annotation?
+fn opted_out(pod: &Pod) -> bool {
+    let label = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(INJECT_ANNOTATION));
+    label.map(String::as_str) == Some("false")
+        || annotation(pod, INJECT_ANNOTATION) == Some("false")
+}
+
+/// Refuses a pod on the node's network (`hostNetwork: true`). Its loopback is the node's: every
+/// process on the node could read the token from the sidecar's API on 127.0.0.1 and write with
+/// the pod's token through the sidecar's API proxy.
+pub fn refuse_host_network(spec: &PodSpec) -> Result<(), String> {
+    if spec.host_network != Some(true) {
+        return Ok(());
+    }
+    Err(format!(
+        "fencedlease: refusing to inject the sidecar into a hostNetwork pod: its 127.0.0.1 is the \
+         node's, so any process on the node could read the fencing token from the sidecar's API \
+         and write with it through the sidecar's API proxy. Run the workload without \
+         hostNetwork, or opt the pod out with the label {INJECT_ANNOTATION}: \"false\" and run \
+         its command under `fencedlease campaign --lease LEASE -- CMD` (the token then goes to \
+         the command alone, in its environment)"
+    ))
 }
 
 /// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
@@ -57,23 +104,30 @@ fn valid_name(s: &str) -> bool {
         && s.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
 
-/// Decides and builds the injection. Errors are messages for the pod's author.
-pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
-    let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
-        return Ok(Injection::Skip("no lease annotation"));
-    };
-    if annotation(pod, INJECT_ANNOTATION) == Some("false") {
-        return Ok(Injection::Skip("opted out"));
+/// The pod's injection options, read from its annotations.
+struct Options<'a> {
+    lease: &'a str,
+    duration: i32,
+    port: u16,
+    ready_only_when_leader: bool,
+    health: Option<&'a str>,
+    proxy_port: Option<u16>,
+    probe_port: u16,
+}
+
+/// A `"true"`/`"false"` annotation, false when absent.
+fn flag(pod: &Pod, key: &str) -> Result<bool, String> {
+    match annotation(pod, key) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => Err(format!(
+            "fencedlease: annotation {key}={v:?} must be \"true\" or \"false\""
+        )),
     }
-    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
-    let already = spec.containers.iter().any(|c| c.name == CONTAINER)
-        || spec
-            .init_containers
-            .as_ref()
-            .is_some_and(|ic| ic.iter().any(|c| c.name == CONTAINER));
-    if already {
-        return Ok(Injection::Skip("already injected"));
-    }
+}
+
+/// Reads and checks the annotations; errors are messages for the pod's author.
+fn options<'a>(pod: &'a Pod, lease: &'a str) -> Result<Options<'a>, String> {
     if !valid_name(lease) {
         return Err(format!(
             "fencedlease: annotation {LEASE_ANNOTATION}={lease:?} is not a valid FencedLease name (lowercase letters, digits, '-' and '.')"
@@ -95,30 +149,15 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
             .filter(|p| (1024..=65533).contains(p))
             .ok_or_else(|| format!("fencedlease: annotation {PORT_ANNOTATION}={v:?} must be a port from 1024 to 65533 (the sidecar also uses the next two)"))?,
     };
-    let ready_only_when_leader = match annotation(pod, READY_ANNOTATION) {
-        None | Some("false") => false,
-        Some("true") => true,
-        Some(v) => {
-            return Err(format!(
-                "fencedlease: annotation {READY_ANNOTATION}={v:?} must be \"true\" or \"false\""
-            ))
-        }
+    let ready_only_when_leader = flag(pod, READY_ANNOTATION)?;
+    let proxy_port = match flag(pod, PROXY_ANNOTATION)? {
+        false => None,
+        true => Some(port.checked_add(1).ok_or_else(|| {
+            format!(
+                "fencedlease: annotation {PORT_ANNOTATION}: no room for the proxy port above {port}"
+            )
+        })?),
     };
-    let proxy = match annotation(pod, PROXY_ANNOTATION) {
-        None | Some("false") => false,
-        Some("true") => true,
-        Some(v) => {
-            return Err(format!(
-                "fencedlease: annotation {PROXY_ANNOTATION}={v:?} must be \"true\" or \"false\""
-            ))
-        }
-    };
-    let proxy_port = port.checked_add(1).ok_or_else(|| {
-        format!(
-            "fencedlease: annotation {PORT_ANNOTATION}: no room for the proxy port above {port}"
-        )
-    });
-    let proxy_port = if proxy { Some(proxy_port?) } else { None };
     let probe_port = port.checked_add(2).ok_or_else(|| {
         format!(
             "fencedlease: annotation {PORT_ANNOTATION}: no room for the probe port two above {port}"
@@ -129,26 +168,77 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
         crate::sidecar::parse_http_url(url)
             .map_err(|e| format!("fencedlease: annotation {HEALTH_ANNOTATION}: {e}"))?;
     }
+    Ok(Options {
+        lease,
+        duration,
+        port,
+        ready_only_when_leader,
+        health,
+        proxy_port,
+        probe_port,
+    })
+}
 
-    let url = format!("http://127.0.0.1:{port}");
+/// Decides the injection. Errors are messages for the pod's author.
+pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
+    let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
+        return Ok(Injection::Skip("no lease annotation"));
+    };
+    if opted_out(pod) {
+        return Ok(Injection::Skip("opted out"));
+    }
+    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
+    refuse_host_network(spec)?;
+    let already = spec.containers.iter().any(|c| c.name == CONTAINER)
+        || spec
+            .init_containers
+            .as_ref()
+            .is_some_and(|ic| ic.iter().any(|c| c.name == CONTAINER));
+    if already {
+        return Ok(Injection::Skip("already injected"));
+    }
+    let o = options(pod, lease)?;
+    let url = format!("http://127.0.0.1:{}", o.port);
+    // App containers learn where the sidecar and the token file are.
+    let mut env = vec![
+        json!({"name": "FENCEDLEASE_URL", "value": url}),
+        json!({"name": "FENCEDLEASE_TOKEN_FILE", "value": format!("{TOKEN_DIR}/token")}),
+    ];
+    if let Some(pp) = o.proxy_port {
+        env.push(
+            json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("http://127.0.0.1:{pp}")}),
+        );
+    }
+    Ok(Injection::Inject(Box::new(Additions {
+        sidecar: sidecar(&o, cfg),
+        native: cfg.native_sidecars,
+        env,
+        mount: json!({"name": VOLUME, "mountPath": TOKEN_DIR, "readOnly": true}),
+        volume: json!({"name": VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}),
+    })))
+}
+
+/// The sidecar container.
+fn sidecar(o: &Options, cfg: &InjectConfig) -> Value {
+    let url = format!("http://127.0.0.1:{}", o.port);
     let mut args = vec![
         "sidecar".to_string(),
         "--lease".into(),
-        lease.to_string(),
+        o.lease.to_string(),
         "--listen".into(),
-        format!("127.0.0.1:{port}"),
+        format!("127.0.0.1:{}", o.port),
         "--lease-duration".into(),
-        duration.to_string(),
+        o.duration.to_string(),
         "--token-dir".into(),
         TOKEN_DIR.into(),
     ];
-    if ready_only_when_leader {
+    if o.ready_only_when_leader {
         args.push("--ready-only-when-leader".into());
     }
-    if let Some(h) = health {
+    if let Some(h) = o.health {
         args.extend(["--app-health-url".into(), h.to_string()]);
     }
-    if let Some(pp) = proxy_port {
+    if let Some(pp) = o.proxy_port {
         args.extend(["--proxy-listen".into(), format!("127.0.0.1:{pp}")]);
     }
     // Kubelet probes the pod IP, where only the probe endpoint listens (/healthz and /readyz,
@@ -157,7 +247,7 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     // probe would hang in the frozen cgroup and kubelet would keep the last result).
     // Liveness stays an exec probe from inside: a frozen pod is not restarted (that could not
     // stop it anyway); a hung sidecar is.
-    args.extend(["--probe-listen".into(), format!("[::]:{probe_port}")]);
+    args.extend(["--probe-listen".into(), format!("[::]:{}", o.probe_port)]);
     let timing = json!({"periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3});
     let with_timing = |mut probe: Value| {
         if let (Some(p), Some(t)) = (probe.as_object_mut(), timing.as_object()) {
@@ -168,7 +258,7 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
     let liveness = with_timing(
         json!({"exec": {"command": ["fencedlease", "probe", format!("{url}/healthz")]}}),
     );
-    let readiness = with_timing(json!({"httpGet": {"path": "/readyz", "port": probe_port}}));
+    let readiness = with_timing(json!({"httpGet": {"path": "/readyz", "port": o.probe_port}}));
     let mut sidecar = json!({
         "name": CONTAINER,
         "image": cfg.image,
@@ -190,48 +280,82 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
         "livenessProbe": liveness,
         "readinessProbe": readiness,
     });
-
-    let mut out = serde_json::to_value(pod)
-        .map_err(|e| format!("fencedlease: cannot encode the pod: {e}"))?;
-    let spec = out
-        .get_mut("spec")
-        .and_then(Value::as_object_mut)
-        .ok_or("the pod has no spec")?;
-    // App containers learn where the sidecar and the token file are.
-    if let Some(Value::Array(containers)) = spec.get_mut("containers") {
-        for c in containers.iter_mut() {
-            let Some(c) = c.as_object_mut() else { continue };
-            let env = c.entry("env").or_insert_with(|| json!([]));
-            if let Value::Array(env) = env {
-                env.push(json!({"name": "FENCEDLEASE_URL", "value": url}));
-                env.push(json!({"name": "FENCEDLEASE_TOKEN_FILE", "value": format!("{TOKEN_DIR}/token")}));
-                if let Some(pp) = proxy_port {
-                    env.push(json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("http://127.0.0.1:{pp}")}));
-                }
-            }
-            let mounts = c.entry("volumeMounts").or_insert_with(|| json!([]));
-            if let Value::Array(mounts) = mounts {
-                mounts.push(json!({"name": VOLUME, "mountPath": TOKEN_DIR, "readOnly": true}));
-            }
-        }
-    }
-    let volumes = spec.entry("volumes").or_insert_with(|| json!([]));
-    if let Value::Array(v) = volumes {
-        v.push(json!({"name": VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}));
-    }
     if cfg.native_sidecars {
         sidecar["restartPolicy"] = json!("Always");
-        let inits = spec.entry("initContainers").or_insert_with(|| json!([]));
-        if let Value::Array(inits) = inits {
-            inits.insert(0, sidecar);
+    }
+    sidecar
+}
+
+/// A JSON Pointer from its tokens (member names, array indexes).
+fn pointer(tokens: &[&str]) -> PointerBuf {
+    PointerBuf::from_tokens(tokens.iter().copied())
+}
+
+fn add(path: PointerBuf, value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation { path, value })
+}
+
+/// Adds `items` at the end of the array at `path`, whose value in the pod is `now`: one `add` at
+/// `path/-` per item when the array is there, else one `add` creating it (the member is absent,
+/// or null, which Kubernetes reads as absent).
+fn append(ops: &mut Vec<PatchOperation>, path: PointerBuf, now: Option<&Value>, items: &[Value]) {
+    if let Some(Value::Array(_)) = now {
+        for item in items {
+            let mut end = path.clone();
+            end.push_back("-");
+            ops.push(add(end, item.clone()));
         }
     } else {
-        let containers = spec.entry("containers").or_insert_with(|| json!([]));
-        if let Value::Array(containers) = containers {
-            containers.push(sidecar);
-        }
+        ops.push(add(path, Value::Array(items.to_vec())));
     }
-    Ok(Injection::Inject(Box::new(out)))
+}
+
+/// The JSON Patch that makes `additions` to `pod`, the pod exactly as the API server sent it
+/// (fields unknown to this build included), for a pod that [`inject`] accepted. Only `add`
+/// operations: each appends to an array (`/-`), puts the native sidecar first among the init
+/// containers (`/spec/initContainers/0`, an insertion), or creates a member the pod lacks.
+/// Nothing the pod's author wrote is replaced, reordered or dropped.
+pub fn patch(pod: &Value, additions: &Additions) -> Patch {
+    use std::slice::from_ref;
+    let field = |name: &str| pod.get("spec").and_then(|s| s.get(name));
+    let mut ops = Vec::new();
+    let containers = field("containers").and_then(Value::as_array);
+    for (i, c) in containers.into_iter().flatten().enumerate() {
+        let member = |name: &str| pointer(&["spec", "containers", &i.to_string(), name]);
+        append(&mut ops, member("env"), c.get("env"), &additions.env);
+        let mount = from_ref(&additions.mount);
+        append(
+            &mut ops,
+            member("volumeMounts"),
+            c.get("volumeMounts"),
+            mount,
+        );
+    }
+    let volumes = pointer(&["spec", "volumes"]);
+    append(
+        &mut ops,
+        volumes,
+        field("volumes"),
+        from_ref(&additions.volume),
+    );
+    let sidecar = from_ref(&additions.sidecar);
+    match (additions.native, field("initContainers")) {
+        (false, _) => {
+            let containers = pointer(&["spec", "containers"]);
+            append(&mut ops, containers, field("containers"), sidecar);
+        }
+        (true, Some(Value::Array(_))) => {
+            let first = pointer(&["spec", "initContainers", "0"]);
+            ops.push(add(first, additions.sidecar.clone()));
+        }
+        (true, _) => append(
+            &mut ops,
+            pointer(&["spec", "initContainers"]),
+            None,
+            sidecar,
+        ),
+    }
+    Patch(ops)
 }
 
 /// Does a server of this version run native sidecars? (`major`/`minor` as /version reports
@@ -266,44 +390,25 @@ pub fn review(
     let Some(obj) = req.object.as_ref() else {
         return (resp.into_review(), "skipped");
     };
+    // The pod as sent (its spec untyped, so with every field this build does not know) places
+    // the patch; the typed pod decides.
+    let unreadable = |e: serde_json::Error| {
+        let msg = format!("fencedlease: cannot read the pod: {e}");
+        (resp.clone().deny(msg).into_review(), "invalid")
+    };
     let original = match serde_json::to_value(obj) {
         Ok(v) => v,
-        Err(e) => {
-            return (
-                resp.deny(format!("fencedlease: cannot read the pod: {e}"))
-                    .into_review(),
-                "invalid",
-            )
-        }
+        Err(e) => return unreadable(e),
     };
     let pod: Pod = match serde_json::from_value(original.clone()) {
         Ok(p) => p,
-        Err(e) => {
-            return (
-                resp.deny(format!("fencedlease: cannot read the pod: {e}"))
-                    .into_review(),
-                "invalid",
-            )
-        }
+        Err(e) => return unreadable(e),
     };
     match inject(&pod, cfg) {
         Ok(Injection::Skip(_)) => (resp.into_review(), "skipped"),
         Err(msg) => (resp.deny(msg).into_review(), "refused"),
-        Ok(Injection::Inject(new)) => {
-            // Diff against the typed pod, which `inject` built `new` from: fields the typed Pod
-            // does not know are in neither, so the patch leaves them alone.
-            let base = match serde_json::to_value(&pod) {
-                Ok(b) => b,
-                Err(e) => {
-                    return (
-                        resp.deny(format!("fencedlease: cannot encode the pod: {e}"))
-                            .into_review(),
-                        "invalid",
-                    )
-                }
-            };
-            let patch = json_patch::diff(&base, &new);
-            match resp.clone().with_patch(patch) {
+        Ok(Injection::Inject(additions)) => {
+            match resp.clone().with_patch(patch(&original, &additions)) {
                 Ok(r) => (r.into_review(), "injected"),
                 Err(e) => (
                     resp.deny(format!("fencedlease: cannot encode the patch: {e}"))
@@ -318,6 +423,7 @@ pub fn review(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn pod(annotations: Value) -> Pod {
         serde_json::from_value(json!({
@@ -333,11 +439,21 @@ mod tests {
             native_sidecars: native,
         }
     }
-    fn injected(p: &Pod, native: bool) -> Value {
-        match inject(p, &cfg(native)) {
-            Ok(Injection::Inject(v)) => *v,
+    /// What `inject` decides for `raw`, the pod as the API server sends it; its patch; and the
+    /// pod with the patch applied.
+    fn apply(raw: &Value, native: bool) -> (Additions, Patch, Value) {
+        let typed: Pod = serde_json::from_value(raw.clone()).expect("a pod");
+        let additions = match inject(&typed, &cfg(native)) {
+            Ok(Injection::Inject(a)) => *a,
             other => panic!("expected an injection, got {other:?}"),
-        }
+        };
+        let ops = patch(raw, &additions);
+        let mut out = raw.clone();
+        json_patch::patch(&mut out, &ops).expect("the patch applies to the pod");
+        (additions, ops, out)
+    }
+    fn injected(p: &Pod, native: bool) -> Value {
+        apply(&serde_json::to_value(p).expect("encode"), native).2
     }
 
     #[test]
@@ -424,6 +540,77 @@ mod tests {
     }
 
     #[test]
+    fn host_network_pods_are_refused() {
+        for (host_network, refused) in [(None, false), (Some(false), false), (Some(true), true)] {
+            let spec = PodSpec {
+                host_network,
+                ..PodSpec::default()
+            };
+            let got = refuse_host_network(&spec);
+            assert_eq!(
+                got.is_err(),
+                refused,
+                "hostNetwork {host_network:?}: {got:?}"
+            );
+            if let Err(msg) = got {
+                // Why, and what to do instead.
+                for want in [
+                    "hostNetwork",
+                    "any process on the node",
+                    "without hostNetwork",
+                    "fencedlease.io/inject: \"false\"",
+                    "fencedlease campaign",
+                ] {
+                    assert!(msg.contains(want), "{want:?} in {msg}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn host_network_pods_asking_for_the_sidecar_are_refused_unless_opted_out() {
+        let host = |labels: Value, annotations: Value| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": "web-1", "labels": labels, "annotations": annotations},
+                "spec": {"hostNetwork": true, "containers": [{"name": "app", "image": "app:1"}]}
+            }))
+            .expect("pod")
+        };
+        let lease = json!({LEASE_ANNOTATION: "db"});
+        for (labels, annotations, want) in [
+            (json!({}), lease.clone(), Err(())),
+            (
+                json!({}),
+                json!({}),
+                Ok(Injection::Skip("no lease annotation")),
+            ),
+            (
+                json!({INJECT_ANNOTATION: "false"}),
+                lease.clone(),
+                Ok(Injection::Skip("opted out")),
+            ),
+            (
+                json!({}),
+                json!({LEASE_ANNOTATION: "db", INJECT_ANNOTATION: "false"}),
+                Ok(Injection::Skip("opted out")),
+            ),
+            (json!({INJECT_ANNOTATION: "true"}), lease.clone(), Err(())),
+        ] {
+            for native in [false, true] {
+                let got = inject(&host(labels.clone(), annotations.clone()), &cfg(native));
+                match (&got, &want) {
+                    (Err(msg), Err(())) => assert!(msg.contains("hostNetwork"), "{msg}"),
+                    _ => assert_eq!(
+                        got.as_ref().ok(),
+                        want.as_ref().ok(),
+                        "{labels} {annotations}"
+                    ),
+                }
+            }
+        }
+    }
+
+    #[test]
     fn options_and_bad_options() {
         let v = injected(
             &pod(
@@ -473,5 +660,258 @@ mod tests {
         assert!(supports_native_sidecars("1", "33+"));
         assert!(supports_native_sidecars("2", "0"));
         assert!(!supports_native_sidecars("", "x"));
+    }
+
+    /// Is `new` just `old` with things added? Every member of an object kept (recursively), every
+    /// array's elements kept in their order (recursively; new elements may come anywhere),
+    /// scalars equal. Err names the first place where something was changed or dropped.
+    fn only_additions(old: &Value, new: &Value, at: &str) -> Result<(), String> {
+        match (old, new) {
+            (Value::Object(o), Value::Object(n)) => o.iter().try_for_each(|(k, v)| {
+                let here = format!("{at}/{k}");
+                let now = n.get(k).ok_or_else(|| format!("{here} was dropped"))?;
+                only_additions(v, now, &here)
+            }),
+            (Value::Array(o), Value::Array(n)) => {
+                let mut rest = n.iter();
+                o.iter().enumerate().try_for_each(|(i, v)| {
+                    rest.find(|now| only_additions(v, now, "").is_ok())
+                        .map(|_| ())
+                        .ok_or_else(|| format!("{at}/{i} was changed, moved or dropped: {v}"))
+                })
+            }
+            _ if old == new => Ok(()),
+            _ => Err(format!("{at} was changed: {old} became {new}")),
+        }
+    }
+
+    /// Every operation an `add` that inserts or creates, never one that replaces what `raw` has.
+    fn only_insertions(ops: &Patch, raw: &Value) {
+        for op in &ops.0 {
+            let PatchOperation::Add(a) = op else {
+                panic!("not an add: {op:?}")
+            };
+            let path = a.path.as_str();
+            assert!(
+                path.ends_with("/-")
+                    || path == "/spec/initContainers/0"
+                    || raw.pointer(path).is_none(),
+                "{path} would replace what the pod has"
+            );
+        }
+    }
+
+    /// The oracle: `raw` with `a` made by hand, straight on the JSON.
+    fn by_hand(raw: &Value, a: &Additions) -> Value {
+        fn push(obj: &mut Value, key: &str, items: &[Value]) {
+            let list = &mut obj[key];
+            if !list.is_array() {
+                *list = json!([]);
+            }
+            if let Value::Array(list) = list {
+                list.extend_from_slice(items);
+            }
+        }
+        let mut out = raw.clone();
+        let spec = &mut out["spec"];
+        if let Value::Array(cs) = &mut spec["containers"] {
+            for c in cs.iter_mut() {
+                push(c, "env", &a.env);
+                push(c, "volumeMounts", std::slice::from_ref(&a.mount));
+            }
+        }
+        push(spec, "volumes", std::slice::from_ref(&a.volume));
+        if !a.native {
+            push(spec, "containers", std::slice::from_ref(&a.sidecar));
+        } else if let Value::Array(ics) = &mut spec["initContainers"] {
+            ics.insert(0, a.sidecar.clone());
+        } else {
+            spec["initContainers"] = json!([a.sidecar]);
+        }
+        out
+    }
+
+    fn raw_pod(spec: Value) -> Value {
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-1", "annotations": {LEASE_ANNOTATION: "db"}},
+            "spec": spec,
+        })
+    }
+
+    #[test]
+    fn the_patch_inserts_and_appends_and_keeps_fields_this_build_does_not_know() {
+        let future = json!({"nested": [1, {"deeper": true}], "s": "x"});
+        let app = json!({"name": "app", "image": "app:1", "someFutureField": future,
+            "env": [{"name": "A", "value": "1", "someFutureField": 1}]});
+        let init = json!({"name": "migrate", "image": "m:1", "someFutureField": future});
+        let vol = json!({"name": "data", "emptyDir": {}, "someFutureField": future});
+        let spec = |inits: Option<Value>, vols: Option<Value>| {
+            let mut s = json!({"containers": [app.clone(), {"name": "b", "image": "b:1"}],
+                "someFutureField": future.clone()});
+            if let Some(i) = inits {
+                s["initContainers"] = i;
+            }
+            if let Some(v) = vols {
+                s["volumes"] = v;
+            }
+            s
+        };
+        let apps = [
+            "/spec/containers/0/env/-",
+            "/spec/containers/0/env/-",
+            "/spec/containers/0/volumeMounts",
+            "/spec/containers/1/env",
+            "/spec/containers/1/volumeMounts",
+        ];
+        for (spec, native, tail) in [
+            (
+                spec(None, None),
+                false,
+                ["/spec/volumes", "/spec/containers/-"],
+            ),
+            (
+                spec(Some(json!([init])), Some(json!([vol]))),
+                false,
+                ["/spec/volumes/-", "/spec/containers/-"],
+            ),
+            (
+                spec(None, None),
+                true,
+                ["/spec/volumes", "/spec/initContainers"],
+            ),
+            (
+                spec(Some(json!([])), Some(json!([]))),
+                true,
+                ["/spec/volumes/-", "/spec/initContainers/0"],
+            ),
+            (
+                spec(Some(json!([init, init])), Some(json!([vol]))),
+                true,
+                ["/spec/volumes/-", "/spec/initContainers/0"],
+            ),
+        ] {
+            let raw = raw_pod(spec);
+            let (additions, ops, out) = apply(&raw, native);
+            let paths: Vec<&str> = ops.0.iter().map(|op| op.path().as_str()).collect();
+            let want: Vec<&str> = apps.iter().chain(&tail).copied().collect();
+            assert_eq!(paths, want, "native {native}: {raw}");
+            only_insertions(&ops, &raw);
+            only_additions(&raw, &out, "").unwrap_or_else(|e| panic!("{e}\n{out}"));
+            assert_eq!(out, by_hand(&raw, &additions));
+            if native {
+                assert_eq!(out["spec"]["initContainers"][0]["name"], CONTAINER);
+            }
+        }
+        // What a diff of typed pods lost: the typed pod has no such field.
+        let typed: Pod =
+            serde_json::from_value(raw_pod(spec(Some(json!([init])), None))).expect("a pod");
+        let typed = serde_json::to_value(typed).expect("encode");
+        assert!(typed
+            .pointer("/spec/initContainers/0/someFutureField")
+            .is_none());
+    }
+
+    /// A value of a field this build does not know.
+    fn future_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "\\PC{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 12, 3, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
+                proptest::collection::btree_map("[a-zA-Z]{1,6}", inner, 0..3)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// `base` with 0 to 2 members this build does not know.
+    fn with_future(base: Value) -> impl Strategy<Value = Value> {
+        proptest::collection::btree_map("someFuture[A-Z][a-z]{0,5}", future_value(), 0..3).prop_map(
+            move |extra| {
+                let mut v = base.clone();
+                if let Value::Object(o) = &mut v {
+                    o.extend(extra);
+                }
+                v
+            },
+        )
+    }
+
+    /// Absent, or an array (maybe empty) of `item`s.
+    fn maybe_list<S: Strategy<Value = Value>>(item: S) -> impl Strategy<Value = Option<Value>> {
+        proptest::option::of(proptest::collection::vec(item, 0..3).prop_map(Value::from))
+    }
+
+    fn container(name: String) -> impl Strategy<Value = Value> {
+        let env = ("[A-Z]{1,6}", "\\PC{0,6}")
+            .prop_flat_map(|(n, v)| with_future(json!({"name": n, "value": v})));
+        let mount = "[a-z]{1,5}"
+            .prop_flat_map(|n| with_future(json!({"name": n, "mountPath": format!("/m/{n}")})));
+        (maybe_list(env), maybe_list(mount)).prop_flat_map(move |(env, mounts)| {
+            let mut c = json!({"name": name.clone(), "image": "img:1"});
+            if let Some(e) = env {
+                c["env"] = e;
+            }
+            if let Some(m) = mounts {
+                c["volumeMounts"] = m;
+            }
+            with_future(c)
+        })
+    }
+
+    fn containers(prefix: &'static str, n: usize) -> impl Strategy<Value = Vec<Value>> {
+        (0..n)
+            .map(|i| container(format!("{prefix}-{i}")))
+            .collect::<Vec<_>>()
+    }
+
+    /// A pod asking for the sidecar as the API server would send it: 1 to 3 containers, maybe
+    /// init containers and volumes (absent or arrays, maybe empty), fields this build does not
+    /// know at every level we touch or pass.
+    fn raw_pods() -> impl Strategy<Value = Value> {
+        let apps = (1usize..4).prop_flat_map(|n| containers("app", n));
+        let inits = proptest::option::of((0usize..3).prop_flat_map(|n| containers("init", n)));
+        let volume =
+            "[a-z]{1,5}".prop_flat_map(|n| with_future(json!({"name": n, "emptyDir": {}})));
+        let proxy = any::<bool>();
+        (apps, inits, maybe_list(volume), proxy).prop_flat_map(|(apps, inits, vols, proxy)| {
+            let mut spec = json!({"containers": apps});
+            if let Some(i) = inits {
+                spec["initContainers"] = Value::from(i);
+            }
+            if let Some(v) = vols {
+                spec["volumes"] = v;
+            }
+            let mut pod = raw_pod(Value::Null);
+            pod["metadata"]["annotations"][PROXY_ANNOTATION] = json!(proxy.to_string());
+            with_future(spec).prop_map(move |spec| {
+                let mut p = pod.clone();
+                p["spec"] = spec;
+                p
+            })
+        })
+    }
+
+    proptest! {
+        // FL_FUZZ_CASES=N for a deeper run (RELIABILITY.md).
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("FL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+        ))]
+        #[test]
+        fn the_patch_leaves_every_field_of_the_pod_as_written(
+            raw in raw_pods(), native in any::<bool>()
+        ) {
+            let (additions, ops, out) = apply(&raw, native);
+            only_insertions(&ops, &raw);
+            if let Err(e) = only_additions(&raw, &out, "") {
+                panic!("{e}\nbefore: {raw}\nafter: {out}");
+            }
+            prop_assert_eq!(&out, &by_hand(&raw, &additions));
+        }
     }
 }

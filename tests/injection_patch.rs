@@ -1,0 +1,183 @@
+//! Injection only adds, against the real API server: read back, an injected pod's spec is the
+//! same pod's spec without injection (as the server stored it, defaults included) plus our
+//! additions at the ends of the lists, and nothing else. The 1.20 test server runs the sidecar as
+//! an ordinary container; the native-sidecar patch is covered by the unit and property tests in
+//! src/webhook/inject.rs until a newer test server can run it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::procs::scratch_dir;
+use common::webhook::Webhook;
+use common::{client, ensure_crd, eventually, TestNamespace};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ApiResource, DynamicObject, PostParams};
+use kube::Api;
+use serde_json::{json, Value};
+
+/// A pod with much of what users write, in the raw JSON they would send.
+fn submitted(name: &str, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "shop"}, "annotations": annotations},
+        "spec": {
+            "initContainers": [{
+                "name": "migrate", "image": "busybox", "command": ["true"],
+                "env": [{"name": "PHASE", "value": "migrate"}],
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            }],
+            "containers": [
+                {
+                    "name": "app", "image": "busybox", "command": ["sleep"], "args": ["3600"],
+                    "workingDir": "/data",
+                    "env": [
+                        {"name": "MODE", "value": "primary"},
+                        {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    ],
+                    "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}],
+                    "resources": {"requests": {"cpu": "5m", "memory": "8Mi"}, "limits": {"memory": "32Mi"}},
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 7},
+                    "lifecycle": {"preStop": {"exec": {"command": ["sleep", "1"]}}},
+                    "securityContext": {"runAsUser": 1000, "readOnlyRootFilesystem": true},
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                },
+                {"name": "helper", "image": "busybox", "command": ["sleep", "3600"]},
+            ],
+            "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "10Mi"}}],
+            "terminationGracePeriodSeconds": 3,
+        }
+    })
+}
+
+/// Removes `n` trailing elements of the array `obj[key]`, checking each with `ours`; removes the
+/// key too when that empties the array and `control` (the object without injection) lacks it.
+fn strip_tail(
+    obj: &mut Value,
+    control: &Value,
+    key: &str,
+    n: usize,
+    ours: impl Fn(&Value) -> bool,
+) {
+    let list = obj[key]
+        .as_array_mut()
+        .unwrap_or_else(|| panic!("{key} is not a list"));
+    assert!(list.len() >= n, "{key}: fewer than {n}: {list:?}");
+    for item in list.drain(list.len() - n..) {
+        assert!(ours(&item), "{key}: not ours at the end: {item}");
+    }
+    assert!(!list.iter().any(&ours), "{key}: ours elsewhere: {list:?}");
+    if list.is_empty() && control.get(key).is_none() {
+        obj.as_object_mut().map(|o| o.remove(key));
+    }
+}
+
+/// The injected pod's spec without what the webhook added (checking that it is at the ends).
+fn without_injection(mut spec: Value, control: &Value) -> Value {
+    let named = |name: &'static str| move |v: &Value| v["name"] == name;
+    strip_tail(&mut spec, control, "containers", 1, named("fencedlease"));
+    strip_tail(&mut spec, control, "volumes", 1, named("fencedlease-token"));
+    let users = spec["containers"].as_array_mut().expect("containers");
+    for (i, c) in users.iter_mut().enumerate() {
+        let want = &control["containers"][i];
+        let ours = |v: &Value| {
+            v["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("FENCEDLEASE_"))
+        };
+        strip_tail(c, want, "env", 2, ours);
+        strip_tail(c, want, "volumeMounts", 1, named("fencedlease-token"));
+    }
+    spec
+}
+
+/// Is `new` just `old` with things added (members, list elements), nothing changed or dropped?
+fn only_additions(old: &Value, new: &Value) -> bool {
+    match (old, new) {
+        (Value::Object(o), Value::Object(n)) => o
+            .iter()
+            .all(|(k, v)| n.get(k).is_some_and(|now| only_additions(v, now))),
+        (Value::Array(o), Value::Array(n)) => {
+            let mut rest = n.iter();
+            o.iter().all(|v| rest.any(|now| only_additions(v, now)))
+        }
+        _ => old == new,
+    }
+}
+
+#[tokio::test]
+async fn an_injected_pod_read_back_is_the_pod_as_submitted_plus_our_additions_only() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "injpatch").await;
+    let dir = scratch_dir("injpatch");
+    let wh = Webhook::start(&client, &dir, &ns.name).await;
+    wh.register_mutating(&client, &ns.name).await;
+    let pods: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns.name, &ApiResource::erase::<Pod>(&()));
+    let create = |name: String, annotations: Value| {
+        let pods = pods.clone();
+        async move {
+            let obj: DynamicObject =
+                serde_json::from_value(submitted(&name, annotations)).expect("pod literal");
+            pods.create(&PostParams::default(), &obj).await
+        }
+    };
+    let lease = json!({"fencedlease.io/lease": "shop"});
+    let is_injected = |p: &DynamicObject| {
+        p.data["spec"]["containers"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["name"] == "fencedlease"))
+    };
+    eventually(
+        Duration::from_secs(20),
+        "the mutating webhook to be in effect",
+        || async {
+            let name = format!("probe-{:06x}", common::rand_u32() & 0x00ff_ffff);
+            let p = create(name, lease.clone()).await.ok()?;
+            is_injected(&p).then_some(())
+        },
+    )
+    .await;
+
+    // The same pod twice: without the lease annotation (left alone) and with it (injected).
+    let control = create("control".into(), json!({}))
+        .await
+        .expect("create control");
+    assert!(!is_injected(&control));
+    create("injected".into(), lease.clone())
+        .await
+        .expect("create injected");
+    let injected = pods
+        .get("injected")
+        .await
+        .expect("read back the injected pod");
+    assert!(is_injected(&injected), "{}", injected.data);
+    let control = pods
+        .get("control")
+        .await
+        .expect("read back the control pod");
+
+    // What the server stored for the control is what was submitted plus its defaults.
+    let sent = submitted("control", json!({}));
+    assert!(
+        only_additions(&sent["spec"], &control.data["spec"]),
+        "the server changed the submitted spec:\n{}\n{}",
+        sent["spec"],
+        control.data["spec"]
+    );
+    // The injected pod is exactly that plus our additions, at the ends of the lists.
+    let spec = injected.data["spec"].clone();
+    let ours = &spec["containers"][2];
+    assert_eq!(ours["name"], "fencedlease");
+    assert_eq!(
+        spec["containers"][0]["env"][2],
+        json!({"name": "FENCEDLEASE_URL", "value": "http://127.0.0.1:8787"})
+    );
+    assert_eq!(
+        without_injection(spec, &control.data["spec"]),
+        control.data["spec"],
+        "the injected pod's spec differs from the control's beyond our additions"
+    );
+}
