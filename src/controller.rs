@@ -24,8 +24,8 @@ use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
 use crate::api::{Condition, FencedLease};
-use crate::lease::elector::{activity_of, Elector, ElectorConfig, LeaderState};
-use crate::lease::rules::{controller_decision, ControllerAction, Observation, Timing};
+use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
+use crate::lease::rules::{controller_decision, lease_seconds, ControllerAction, Observation};
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
 use crate::pods::{PodIndex, ROLE_LABEL};
 
@@ -211,7 +211,8 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
     let api: Api<FencedLease> = Api::namespaced(ctx.client.clone(), &ns);
     let now = Instant::now();
     let mono = now.saturating_duration_since(ctx.origin);
-    let timing = Timing::for_lease_seconds(lease.spec.lease_duration_seconds);
+    // The longer of the spec's duration and the one the holder renewed under.
+    let lease_duration = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
     let holder = lease.holder().map(str::to_string);
     let k = key(lease);
 
@@ -287,7 +288,7 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
         return Ok(Action::requeue(Duration::from_secs(60)));
     };
 
-    match controller_decision(&obs, timing.lease_duration, mono) {
+    match controller_decision(&obs, lease_duration, mono) {
         ControllerAction::Revoke => {
             let mut desired = lease.clone();
             let old = desired.spec.holder_identity.take();
@@ -299,7 +300,7 @@ async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, E
                     let note = format!(
                         "{} did not renew for {}s: revoked, token now {}",
                         old.as_deref().unwrap_or("the holder"),
-                        lease.spec.lease_duration_seconds,
+                        lease_duration.as_secs(),
                         revoked.token().unwrap_or_default()
                     );
                     info!(%note, "revoked an expired lease");
@@ -384,19 +385,21 @@ async fn write_status(
     let generation = lease.metadata.generation;
     let desired = desired_conditions(lease, revoked);
     let merged = merge_conditions(&status.conditions, desired);
+    let lease_duration = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
     let expiry = lease.holder().map(|_| {
         Time(
             jiff::Timestamp::now()
-                .checked_add(jiff::SignedDuration::from_secs(i64::from(
-                    lease.spec.lease_duration_seconds,
-                )))
+                .checked_add(lease_duration)
                 .unwrap_or_else(|_| jiff::Timestamp::now()),
         )
     });
-    // The holder writes holderIdentity and token; when nobody holds the lease, nobody else
-    // would clear them, so the controller does.
+    // The holder writes holderIdentity, token and leaseDurationSeconds; when nobody holds the
+    // lease, nobody else would clear them, so the controller does.
     let free = lease.holder().is_none();
-    let stale_holder_fields = free && (status.holder_identity.is_some() || status.token.is_some());
+    let stale_holder_fields = free
+        && (status.holder_identity.is_some()
+            || status.token.is_some()
+            || status.lease_duration_seconds.is_some());
     let unchanged = status.observed_generation == generation
         && same_conditions(&status.conditions, &merged)
         && status.expiry_time.is_some() == expiry.is_some()
@@ -417,6 +420,7 @@ async fn write_status(
     if free {
         patch["status"]["holderIdentity"] = serde_json::Value::Null;
         patch["status"]["token"] = serde_json::Value::Null;
+        patch["status"]["leaseDurationSeconds"] = serde_json::Value::Null;
     }
     match api
         .patch_status(
