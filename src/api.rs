@@ -48,7 +48,9 @@ pub struct FencedLeaseSpec {
 
     /// How long the lease stays valid without a renewal, in seconds (1 to 3600, default 15).
     /// Candidates take over a lease whose holder has not renewed for this long, measured on
-    /// their own clocks; the holder stops acting as leader a safety margin earlier.
+    /// their own clocks; the holder stops acting as leader a safety margin earlier. A change
+    /// reaches the holder with its next renewal; until then everyone waits for the longer of
+    /// the new duration and the one the holder renewed under (status.leaseDurationSeconds).
     #[serde(default = "default_lease_duration_seconds")]
     #[schemars(range(min = 1, max = 3600))]
     pub lease_duration_seconds: i32,
@@ -93,6 +95,16 @@ pub struct FencedLeaseStatus {
     /// never compare it with their own clock: they only notice that it changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renew_time: Option<MicroTime>,
+
+    /// The lease duration, in seconds, that the holder named in `holderIdentity` last renewed
+    /// under (written by the holder with every renewal). A holder cut off from the API server
+    /// keeps acting on this duration, whatever the spec says meanwhile. So while it holds the
+    /// lease, candidates and the controller wait for the longer of this and
+    /// `spec.leaseDurationSeconds`: a shorter spec takes effect with the holder's next renewal,
+    /// a longer one makes the others wait longer at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub lease_duration_seconds: Option<i32>,
 
     /// When the lease expires unless renewed, as the controller observes it (the controller's
     /// clock; informational).
@@ -139,6 +151,19 @@ impl FencedLease {
     /// change (and so on every change of holder).
     pub fn token(&self) -> Option<i64> {
         self.metadata.generation
+    }
+
+    /// `status.leaseDurationSeconds` when it belongs to the current holder (the status names
+    /// the same holder as the spec); None while the lease is free, and between an acquisition
+    /// and the new holder's first renewal (it does not act as leader before that).
+    pub fn holder_lease_duration_seconds(&self) -> Option<i32> {
+        let holder = self.holder()?;
+        let status = self.status.as_ref()?;
+        if status.holder_identity.as_deref() == Some(holder) {
+            status.lease_duration_seconds
+        } else {
+            None
+        }
     }
 
     /// The current holder, treating an empty string as none.

@@ -21,11 +21,13 @@ use kube::{Api, Client, Resource, ResourceExt};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::api::{Condition, FencedLease};
-use crate::lease::elector::{activity_of, Elector, ElectorConfig, LeaderState};
-use crate::lease::rules::{controller_decision, ControllerAction, Observation, Timing};
+use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
+use crate::lease::rules::{
+    controller_decision, lease_seconds, ControllerAction, Mono, Observation,
+};
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
 use crate::pods::{PodIndex, ROLE_LABEL};
 
@@ -81,6 +83,40 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("the object has no namespace")]
     NoNamespace,
+    #[error(
+        "moving the fencedlease.io/role label of pod {pod}: {} (the controller needs patch on \
+         pods in that namespace)",
+        short(source)
+    )]
+    LeaderLabel {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// A Kubernetes error in a sentence: an API error's message, without its whole Status.
+fn short(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => format!("{} ({})", s.message, s.code),
+        e => e.to_string(),
+    }
+}
+
+/// The longest Event note the API server accepts (events.k8s.io/v1), in bytes.
+const MAX_EVENT_NOTE: usize = 1024;
+
+/// `note` cut to what an Event may hold, on a character boundary.
+fn bounded_note(mut note: String) -> String {
+    if note.len() > MAX_EVENT_NOTE {
+        let mut end = MAX_EVENT_NOTE - '…'.len_utf8();
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push('…');
+    }
+    note
 }
 
 impl Error {
@@ -90,6 +126,7 @@ impl Error {
             Error::Kube(kube::Error::Api(_)) => "api",
             Error::Kube(_) => "client",
             Error::NoNamespace => "no_namespace",
+            Error::LeaderLabel { .. } => "leader_label",
         }
     }
 }
@@ -103,6 +140,8 @@ struct Seen {
     preferred: Option<String>,
     /// The generation this controller's revocation produced, if it revoked this lease.
     revoked_generation: Option<i64>,
+    /// The leader label could not be moved the last time.
+    label_failing: bool,
 }
 
 /// State handed to `reconcile` and `error_policy`.
@@ -188,152 +227,315 @@ fn same_conditions(a: &[Condition], b: &[Condition]) -> bool {
         })
 }
 
+/// How soon a lease whose leader label could not be moved is looked at again (absent other
+/// changes). Revocation and status never wait for the label.
+const LABEL_RETRY: Duration = Duration::from_secs(5);
+/// How soon a revocation that lost a race (the lease changed meanwhile) is looked at again.
+const REVOKE_RACE_RETRY: Duration = Duration::from_millis(50);
+
 #[instrument(skip_all, fields(lease = %lease.name_any(), ns = ?lease.namespace()))]
 pub async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
-    let res = reconcile_inner(&lease, &ctx).await;
+    let outcome = match LeaseReconcile::new(&lease, &ctx) {
+        Ok(mut r) => run_steps(&mut r).await,
+        Err(e) => Outcome {
+            next: Err(e),
+            label: Ok(()),
+        },
+    };
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());
-    let label = match &res {
-        Ok(_) => "ok",
-        Err(e) => e.metric_label(),
-    };
     ctx.metrics
         .reconciles
-        .get_or_create(&ResultLabel { result: label })
+        .get_or_create(&ResultLabel {
+            result: outcome.metric_label(),
+        })
         .inc();
-    res
+    outcome.into_result()
 }
 
-async fn reconcile_inner(lease: &FencedLease, ctx: &Context) -> Result<Action, Error> {
-    let ns = lease.namespace().ok_or(Error::NoNamespace)?;
-    let api: Api<FencedLease> = Api::namespaced(ctx.client.clone(), &ns);
-    let now = Instant::now();
-    let mono = now.saturating_duration_since(ctx.origin);
-    let timing = Timing::for_lease_seconds(lease.spec.lease_duration_seconds);
-    let holder = lease.holder().map(str::to_string);
-    let k = key(lease);
+/// When to look at a lease again, absent changes: the pure form of [`Action`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    Requeue(Duration),
+    AwaitChange,
+}
 
-    // Observe, and note changes of holder for Events.
-    let previous = {
-        let mut seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
-        let prev = seen.get(&k).cloned();
-        let obs = Observation::observe(prev.as_ref().map(|s| &s.obs), activity_of(lease), mono);
-        seen.insert(
-            k.clone(),
-            Seen {
-                obs: obs.clone(),
-                holder: holder.clone(),
-                // Kept until someone acquires: the acquiring write clears it.
-                preferred: lease.spec.preferred_holder.clone().or_else(|| {
-                    prev.as_ref()
-                        .filter(|p| p.holder == holder)
-                        .and_then(|p| p.preferred.clone())
-                }),
-                revoked_generation: prev.as_ref().and_then(|p| p.revoked_generation),
-            },
-        );
-        prev.map(|p| (p.holder, p.preferred, obs))
-    };
-    // Level-triggered: costs no request unless a label is wrong.
-    move_leader_label(ctx, &ns, &lease.name_any(), holder.as_deref()).await?;
-    let revoked_here = {
-        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.get(&k)
-            .and_then(|s| s.revoked_generation)
-            .is_some_and(|g| Some(g) == lease.metadata.generation)
-    };
-    if let Some((prev_holder, prev_preferred, _)) = &previous {
-        // A revocation already has its own Event.
-        if *prev_holder != holder && !revoked_here {
-            let token = lease.token().unwrap_or_default();
-            let handover = holder.is_some() && *prev_preferred == holder;
-            let (reason, note, event) = match (prev_holder, &holder) {
-                (_, Some(h)) if handover => (
-                    "HandedOver",
-                    format!("{h}, the preferred holder, took the lease over with token {token}"),
-                    "handover",
-                ),
-                (Some(p), Some(h)) => (
-                    "Acquired",
-                    format!("{h} took the lease over from {p} with token {token}"),
-                    "acquired",
-                ),
-                (None, Some(h)) => (
-                    "Acquired",
-                    format!("{h} acquired the lease with token {token}"),
-                    "acquired",
-                ),
-                (Some(p), None) => (
-                    "Released",
-                    format!("{p} no longer holds the lease; token now {token}"),
-                    "released",
-                ),
-                (None, None) => ("Released", "the lease is free".to_string(), "released"),
-            };
-            publish(ctx, lease, EventType::Normal, reason, note, event).await;
+impl Next {
+    /// The same, but no later than `at_most` from now.
+    fn within(self, at_most: Duration) -> Next {
+        match self {
+            Next::Requeue(d) => Next::Requeue(d.min(at_most)),
+            Next::AwaitChange => Next::Requeue(at_most),
         }
     }
-    let obs = {
-        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.get(&k).map(|s| s.obs.clone())
-    };
-    let revoked_generation = {
-        let seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.get(&k).and_then(|s| s.revoked_generation)
-    };
-    let Some(obs) = obs else {
-        return Ok(Action::requeue(Duration::from_secs(60)));
-    };
 
-    match controller_decision(&obs, timing.lease_duration, mono) {
-        ControllerAction::Revoke => {
-            let mut desired = lease.clone();
-            let old = desired.spec.holder_identity.take();
-            match api
-                .replace(&lease.name_any(), &PostParams::default(), &desired)
-                .await
-            {
-                Ok(revoked) => {
-                    let note = format!(
-                        "{} did not renew for {}s: revoked, token now {}",
-                        old.as_deref().unwrap_or("the holder"),
-                        lease.spec.lease_duration_seconds,
-                        revoked.token().unwrap_or_default()
-                    );
-                    info!(%note, "revoked an expired lease");
-                    publish(ctx, lease, EventType::Warning, "Revoked", note, "revoked").await;
-                    if let Some(s) = ctx
-                        .seen
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_mut(&k)
-                    {
-                        s.revoked_generation = revoked.metadata.generation;
-                    }
-                    write_status(&api, &revoked, true).await?;
-                    Ok(Action::await_change())
-                }
-                // The lease changed meanwhile (a renewal came in): look again with fresh data.
-                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-                    Ok(Action::requeue(Duration::from_millis(50)))
-                }
-                Err(e) => Err(e.into()),
+    fn action(self) -> Action {
+        match self {
+            Next::Requeue(d) => Action::requeue(d),
+            Next::AwaitChange => Action::await_change(),
+        }
+    }
+}
+
+/// The parts of one reconciliation, which [`run_steps`] takes in a fixed order.
+trait Steps {
+    /// Revokes an expired lease and writes the status: the part that fences, so it goes first.
+    async fn expiry(&mut self) -> Result<Next, Error>;
+    /// Events for a change of holder that someone else made.
+    async fn announce(&mut self);
+    /// Moves the leader label between pods; it reports its own failure.
+    async fn label(&mut self) -> Result<(), Error>;
+}
+
+/// What a reconciliation came to: the expiry part's result and the label's, kept apart so
+/// that a label that cannot be moved never hides or holds up a revocation.
+#[derive(Debug)]
+struct Outcome {
+    next: Result<Next, Error>,
+    label: Result<(), Error>,
+}
+
+/// Revocation and status first, then Events, then the label; each runs whatever the others
+/// came to.
+async fn run_steps(steps: &mut impl Steps) -> Outcome {
+    let next = steps.expiry().await;
+    steps.announce().await;
+    let label = steps.label().await;
+    Outcome { next, label }
+}
+
+impl Outcome {
+    /// The reconciles metric's result: the expiry part's error, else the label's, else ok.
+    fn metric_label(&self) -> &'static str {
+        match (&self.next, &self.label) {
+            (Err(e), _) | (Ok(_), Err(e)) => e.metric_label(),
+            (Ok(_), Ok(())) => "ok",
+        }
+    }
+
+    /// What the runtime gets: the expiry part's error (so `error_policy` retries it), else its
+    /// next look, brought forward to retry a label that failed (already reported).
+    fn into_result(self) -> Result<Action, Error> {
+        let next = self.next?;
+        Ok(match self.label {
+            Ok(()) => next.action(),
+            Err(_) => next.within(LABEL_RETRY).action(),
+        })
+    }
+}
+
+/// What the controller's memory said about a lease when a reconciliation began.
+struct Observed {
+    obs: Observation,
+    /// The holder and preferredHolder of the previous look, if there was one.
+    previous: Option<(Option<String>, Option<String>)>,
+    /// The generation this controller's revocation produced, if it revoked this lease.
+    revoked_generation: Option<i64>,
+    /// The leader label could not be moved at the previous look.
+    label_failing: bool,
+}
+
+/// Records this look at `lease` in the controller's memory; returns what it knew.
+fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observed {
+    let holder = lease.holder().map(str::to_string);
+    let mut seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+    let prev = seen.get(key).cloned();
+    let obs = Observation::observe(prev.as_ref().map(|s| &s.obs), activity_of(lease), mono);
+    // Kept until someone acquires: the acquiring write clears it.
+    let preferred = lease.spec.preferred_holder.clone().or_else(|| {
+        prev.as_ref()
+            .filter(|p| p.holder == holder)
+            .and_then(|p| p.preferred.clone())
+    });
+    let revoked_generation = prev.as_ref().and_then(|p| p.revoked_generation);
+    let label_failing = prev.as_ref().is_some_and(|p| p.label_failing);
+    seen.insert(
+        key.to_string(),
+        Seen {
+            obs: obs.clone(),
+            holder,
+            preferred,
+            revoked_generation,
+            label_failing,
+        },
+    );
+    Observed {
+        obs,
+        previous: prev.map(|p| (p.holder, p.preferred)),
+        revoked_generation,
+        label_failing,
+    }
+}
+
+/// One reconciliation of one lease.
+struct LeaseReconcile<'a> {
+    lease: &'a FencedLease,
+    ctx: &'a Context,
+    api: Api<FencedLease>,
+    ns: String,
+    key: String,
+    mono: Mono,
+    seen: Observed,
+}
+
+impl<'a> LeaseReconcile<'a> {
+    fn new(lease: &'a FencedLease, ctx: &'a Context) -> Result<Self, Error> {
+        let ns = lease.namespace().ok_or(Error::NoNamespace)?;
+        let mono = Instant::now().saturating_duration_since(ctx.origin);
+        let key = key(lease);
+        let seen = remember(ctx, &key, lease, mono);
+        Ok(LeaseReconcile {
+            api: Api::namespaced(ctx.client.clone(), &ns),
+            lease,
+            ctx,
+            ns,
+            key,
+            mono,
+            seen,
+        })
+    }
+
+    fn update_seen(&self, f: impl FnOnce(&mut Seen)) {
+        let mut seen = self.ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = seen.get_mut(&self.key) {
+            f(s);
+        }
+    }
+
+    /// Clears the holder of an expired lease (with the resourceVersion precondition), so the
+    /// token moves on and a paused holder is fenced off even if no candidate is waiting.
+    async fn revoke(&self, lease_duration: Duration) -> Result<Next, Error> {
+        let mut desired = self.lease.clone();
+        let old = desired.spec.holder_identity.take();
+        let name = self.lease.name_any();
+        let revoked = match self
+            .api
+            .replace(&name, &PostParams::default(), &desired)
+            .await
+        {
+            Ok(revoked) => revoked,
+            // The lease changed meanwhile (a renewal came in): look again with fresh data.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                return Ok(Next::Requeue(REVOKE_RACE_RETRY))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let note = format!(
+            "{} did not renew for {}s: revoked, token now {}",
+            old.as_deref().unwrap_or("the holder"),
+            lease_duration.as_secs(),
+            revoked.token().unwrap_or_default()
+        );
+        info!(%note, "revoked an expired lease");
+        self.update_seen(|s| s.revoked_generation = revoked.metadata.generation);
+        let status = write_status(&self.api, &revoked, true).await;
+        publish(
+            self.ctx,
+            self.lease,
+            EventType::Warning,
+            "Revoked",
+            note,
+            "revoked",
+        )
+        .await;
+        status.map(|()| Next::AwaitChange)
+    }
+}
+
+impl Steps for LeaseReconcile<'_> {
+    async fn expiry(&mut self) -> Result<Next, Error> {
+        let lease = self.lease;
+        // The longer of the spec's duration and the one the holder renewed under.
+        let wait = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
+        match controller_decision(&self.seen.obs, wait, self.mono) {
+            ControllerAction::Revoke => self.revoke(wait).await,
+            ControllerAction::HeldUntil(at) => {
+                write_status(&self.api, lease, false).await?;
+                Ok(Next::Requeue(
+                    at.saturating_sub(self.mono) + Duration::from_millis(1),
+                ))
+            }
+            ControllerAction::Free => {
+                let revoked = self.seen.revoked_generation.is_some()
+                    && self.seen.revoked_generation == lease.metadata.generation;
+                write_status(&self.api, lease, revoked).await?;
+                Ok(Next::AwaitChange)
             }
         }
-        ControllerAction::HeldUntil(at) => {
-            write_status(&api, lease, false).await?;
-            Ok(Action::requeue(
-                at.saturating_sub(mono) + Duration::from_millis(1),
-            ))
+    }
+
+    async fn announce(&mut self) {
+        let Some((prev_holder, prev_preferred)) = &self.seen.previous else {
+            return;
+        };
+        let holder = self.lease.holder();
+        // A revocation by this controller already has its own Event.
+        let revoked_here = self
+            .seen
+            .revoked_generation
+            .is_some_and(|g| Some(g) == self.lease.metadata.generation);
+        if prev_holder.as_deref() == holder || revoked_here {
+            return;
         }
-        ControllerAction::Free => {
-            let revoked =
-                revoked_generation.is_some() && revoked_generation == lease.metadata.generation;
-            write_status(&api, lease, revoked).await?;
-            Ok(Action::await_change())
+        let token = self.lease.token().unwrap_or_default();
+        let handover = holder.is_some() && prev_preferred.as_deref() == holder;
+        let (reason, note, event) = holder_change(prev_holder.as_deref(), holder, handover, token);
+        publish(self.ctx, self.lease, EventType::Normal, reason, note, event).await;
+    }
+
+    async fn label(&mut self) -> Result<(), Error> {
+        let name = self.lease.name_any();
+        let res = move_leader_label(self.ctx, &self.ns, &name, self.lease.holder()).await;
+        let was_failing = self.seen.label_failing;
+        self.update_seen(|s| s.label_failing = res.is_err());
+        match &res {
+            // Said once when it starts failing (log and Event), counted every time.
+            Err(e) if !was_failing => {
+                let label = e.metric_label();
+                warn!(error = %e, metric_label = label, "could not move the leader label; revocation and status go on");
+                let (ctx, lease) = (self.ctx, self.lease);
+                let note = e.to_string();
+                publish_event(ctx, lease, EventType::Warning, "LeaderLabelFailed", note).await;
+            }
+            Err(e) => debug!(error = %e, "the leader label still cannot be moved"),
+            Ok(()) if was_failing => info!("the leader label is right again"),
+            Ok(()) => {}
         }
+        res
+    }
+}
+
+/// The Event for a change of holder: (reason, note, metrics event).
+fn holder_change(
+    prev: Option<&str>,
+    holder: Option<&str>,
+    handover: bool,
+    token: i64,
+) -> (&'static str, String, &'static str) {
+    match (prev, holder) {
+        (_, Some(h)) if handover => (
+            "HandedOver",
+            format!("{h}, the preferred holder, took the lease over with token {token}"),
+            "handover",
+        ),
+        (Some(p), Some(h)) => (
+            "Acquired",
+            format!("{h} took the lease over from {p} with token {token}"),
+            "acquired",
+        ),
+        (None, Some(h)) => (
+            "Acquired",
+            format!("{h} acquired the lease with token {token}"),
+            "acquired",
+        ),
+        (Some(p), None) => (
+            "Released",
+            format!("{p} no longer holds the lease; token now {token}"),
+            "released",
+        ),
+        (None, None) => ("Released", "the lease is free".to_string(), "released"),
     }
 }
 
@@ -366,7 +568,12 @@ async fn move_leader_label(
         {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {} // the pod is gone already
-            Err(e) => return Err(e.into()),
+            Err(source) => {
+                return Err(Error::LeaderLabel {
+                    pod: name.clone(),
+                    source,
+                })
+            }
         }
     }
     Ok(())
@@ -384,19 +591,21 @@ async fn write_status(
     let generation = lease.metadata.generation;
     let desired = desired_conditions(lease, revoked);
     let merged = merge_conditions(&status.conditions, desired);
+    let lease_duration = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
     let expiry = lease.holder().map(|_| {
         Time(
             jiff::Timestamp::now()
-                .checked_add(jiff::SignedDuration::from_secs(i64::from(
-                    lease.spec.lease_duration_seconds,
-                )))
+                .checked_add(lease_duration)
                 .unwrap_or_else(|_| jiff::Timestamp::now()),
         )
     });
-    // The holder writes holderIdentity and token; when nobody holds the lease, nobody else
-    // would clear them, so the controller does.
+    // The holder writes holderIdentity, token and leaseDurationSeconds; when nobody holds the
+    // lease, nobody else would clear them, so the controller does.
     let free = lease.holder().is_none();
-    let stale_holder_fields = free && (status.holder_identity.is_some() || status.token.is_some());
+    let stale_holder_fields = free
+        && (status.holder_identity.is_some()
+            || status.token.is_some()
+            || status.lease_duration_seconds.is_some());
     let unchanged = status.observed_generation == generation
         && same_conditions(&status.conditions, &merged)
         && status.expiry_time.is_some() == expiry.is_some()
@@ -417,6 +626,7 @@ async fn write_status(
     if free {
         patch["status"]["holderIdentity"] = serde_json::Value::Null;
         patch["status"]["token"] = serde_json::Value::Null;
+        patch["status"]["leaseDurationSeconds"] = serde_json::Value::Null;
     }
     match api
         .patch_status(
@@ -534,6 +744,7 @@ fn holding_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
     }
 }
 
+/// Publishes an Event about a lease change and counts it in `fencedlease_lease_events`.
 async fn publish(
     ctx: &Context,
     lease: &FencedLease,
@@ -546,13 +757,24 @@ async fn publish(
         .lease_events
         .get_or_create(&EventLabel { event })
         .inc();
+    publish_event(ctx, lease, type_, reason, note).await;
+}
+
+/// Publishes an Event on the lease; a failure is logged, never returned.
+async fn publish_event(
+    ctx: &Context,
+    lease: &FencedLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     // The Recorder folds events with the same (reason, action, object) into one series that
     // keeps the first note; every change of holder is a distinct fact, so the token goes into
     // the action.
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(bounded_note(note)),
         action: format!("{reason}Token{}", lease.token().unwrap_or_default()),
         secondary: None,
     };
@@ -847,4 +1069,164 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         Err(e) => warn!(error = %e, "the metrics server task failed"),
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Steps that record the order they run in and answer what they were told to.
+    struct Recorded {
+        ran: Vec<&'static str>,
+        expiry: Option<Result<Next, Error>>,
+        label: Option<Result<(), Error>>,
+    }
+
+    impl Recorded {
+        fn new(expiry: Result<Next, Error>, label: Result<(), Error>) -> Recorded {
+            Recorded {
+                ran: Vec::new(),
+                expiry: Some(expiry),
+                label: Some(label),
+            }
+        }
+    }
+
+    impl Steps for Recorded {
+        async fn expiry(&mut self) -> Result<Next, Error> {
+            self.ran.push("expiry");
+            self.expiry.take().unwrap_or(Ok(Next::AwaitChange))
+        }
+        async fn announce(&mut self) {
+            self.ran.push("announce");
+        }
+        async fn label(&mut self) -> Result<(), Error> {
+            self.ran.push("label");
+            self.label.take().unwrap_or(Ok(()))
+        }
+    }
+
+    fn label_forbidden() -> Error {
+        let status = serde_json::from_value(serde_json::json!({
+            "code": 403, "reason": "Forbidden",
+            "message": "pods \"pod-a\" is forbidden: cannot patch resource \"pods\""
+        }))
+        .expect("a Status");
+        Error::LeaderLabel {
+            pod: "pod-a".into(),
+            source: kube::Error::Api(Box::new(status)),
+        }
+    }
+
+    fn run(expiry: Result<Next, Error>, label: Result<(), Error>) -> (Vec<&'static str>, Outcome) {
+        let mut steps = Recorded::new(expiry, label);
+        let outcome = futures::executor::block_on(run_steps(&mut steps));
+        (steps.ran, outcome)
+    }
+
+    #[test]
+    fn revocation_and_status_come_first_and_a_failing_label_holds_up_nothing() {
+        let (ran, outcome) = run(Ok(Next::AwaitChange), Err(label_forbidden()));
+        assert_eq!(ran, ["expiry", "announce", "label"]);
+        assert_eq!(outcome.metric_label(), "leader_label");
+        // Not an error for the runtime: the expiry part succeeded; the label is retried soon.
+        assert_eq!(
+            outcome.into_result().expect("not an error"),
+            Action::requeue(LABEL_RETRY)
+        );
+        // The label is still tried when the expiry part failed, and that error is what counts.
+        let (ran, outcome) = run(Err(Error::NoNamespace), Err(label_forbidden()));
+        assert_eq!(ran, ["expiry", "announce", "label"]);
+        assert_eq!(outcome.metric_label(), "no_namespace");
+        assert!(matches!(outcome.into_result(), Err(Error::NoNamespace)));
+    }
+
+    #[test]
+    fn a_failed_label_only_brings_the_next_look_forward() {
+        let ms = Duration::from_millis;
+        // (expiry's next look, label ok) -> what the runtime gets
+        let table = [
+            (Next::AwaitChange, true, Action::await_change()),
+            (Next::AwaitChange, false, Action::requeue(LABEL_RETRY)),
+            (Next::Requeue(ms(200)), false, Action::requeue(ms(200))),
+            (
+                Next::Requeue(ms(60_000)),
+                false,
+                Action::requeue(LABEL_RETRY),
+            ),
+            (Next::Requeue(ms(60_000)), true, Action::requeue(ms(60_000))),
+        ];
+        for (next, label_ok, want) in table {
+            let label = if label_ok {
+                Ok(())
+            } else {
+                Err(label_forbidden())
+            };
+            let (_, outcome) = run(Ok(next), label);
+            let want_label = if label_ok { "ok" } else { "leader_label" };
+            assert_eq!(outcome.metric_label(), want_label, "{next:?}");
+            assert_eq!(outcome.into_result().expect("ok"), want, "{next:?}");
+        }
+    }
+
+    #[test]
+    fn a_label_error_says_what_to_do_in_a_sentence() {
+        let text = label_forbidden().to_string();
+        assert_eq!(
+            text,
+            "moving the fencedlease.io/role label of pod pod-a: pods \"pod-a\" is forbidden: \
+             cannot patch resource \"pods\" (403) (the controller needs patch on pods in that \
+             namespace)"
+        );
+    }
+
+    #[test]
+    fn event_notes_fit_what_the_api_server_accepts() {
+        assert_eq!(bounded_note("short".into()), "short");
+        let exact = "x".repeat(MAX_EVENT_NOTE);
+        assert_eq!(bounded_note(exact.clone()), exact);
+        for filler in ["y", "é", "名"] {
+            let cut = bounded_note(filler.repeat(2000));
+            assert!(cut.len() <= MAX_EVENT_NOTE, "{filler}: {}", cut.len());
+            assert!(cut.ends_with('…'));
+        }
+    }
+
+    #[test]
+    fn holder_changes_have_the_right_event() {
+        let table = [
+            (
+                Some("a"),
+                Some("b"),
+                false,
+                "Acquired",
+                "b took the lease over from a with token 5",
+            ),
+            (
+                None,
+                Some("b"),
+                false,
+                "Acquired",
+                "b acquired the lease with token 5",
+            ),
+            (
+                Some("a"),
+                Some("b"),
+                true,
+                "HandedOver",
+                "b, the preferred holder, took the lease over with token 5",
+            ),
+            (
+                Some("a"),
+                None,
+                false,
+                "Released",
+                "a no longer holds the lease; token now 5",
+            ),
+        ];
+        for (prev, holder, handover, reason, note) in table {
+            let (r, n, _) = holder_change(prev, holder, handover, 5);
+            assert_eq!((r, n.as_str()), (reason, note));
+        }
+    }
 }

@@ -17,10 +17,10 @@ use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, instrument, warn};
 
 use super::rules::{
-    candidate_decision, holder_decision, Activity, CandidateAction, FencingToken, HolderAction,
-    Mono, Observation, Tenure, Timing,
+    candidate_decision, holder_decision, lease_seconds, observer_lease_duration, recorded_seconds,
+    Activity, CandidateAction, FencingToken, HolderAction, Mono, Observation, Tenure, Timing,
 };
-use crate::api::{FencedLease, FencedLeaseSpec};
+use crate::api::{FencedLease, FencedLeaseSpec, MAX_LEASE_DURATION_SECONDS};
 
 /// How long to wait before retrying after a write failed for a reason other than a conflict.
 const RETRY_BACKOFF: Duration = Duration::from_millis(250);
@@ -140,6 +140,12 @@ impl Elector {
     pub fn new(client: Client, cfg: ElectorConfig) -> Result<(Elector, ElectorHandle), Error> {
         if let Some(t) = &cfg.timing_override {
             t.validate().map_err(Error::Timing)?;
+            if recorded_seconds(t.lease_duration) > MAX_LEASE_DURATION_SECONDS {
+                return Err(Error::Timing(format!(
+                    "the lease duration ({:?}) must be at most {MAX_LEASE_DURATION_SECONDS} s",
+                    t.lease_duration
+                )));
+            }
         }
         let (tx, rx) = watch::channel(LeaderState::Unknown);
         let release = Arc::new(Notify::new());
@@ -271,15 +277,16 @@ impl Elector {
         });
     }
 
+    /// Announces leadership, once a renewal has recorded the tenure's duration (before that
+    /// the holder claims nothing: see [`Tenure::recorded`]).
     fn publish_leading(&self) {
-        if let (Some((tenure, uid)), Some(lease)) = (&self.tenure, &self.latest) {
-            let timing = self.timing(lease);
+        if let Some((tenure, uid)) = self.tenure.as_ref().filter(|(t, _)| t.recorded) {
             self.publish(LeaderState::Leading {
                 token: FencingToken {
                     lease_uid: uid.clone(),
                     generation: tenure.token,
                 },
-                valid_until: self.instant(tenure.valid_until(&timing)),
+                valid_until: self.instant(tenure.valid_until()),
             });
         }
     }
@@ -307,7 +314,6 @@ impl Elector {
             }
             return self.maybe_create(now).await.unwrap_or(idle);
         };
-        let timing = self.timing(&lease);
         let retry_at = self.retry_at.filter(|r| *r > now);
         let eligible = *self.eligible.borrow();
         if !eligible && self.tenure.is_some() {
@@ -316,89 +322,114 @@ impl Elector {
             return now;
         }
 
-        if let Some((mut tenure, uid)) = self.tenure.clone() {
-            if lease.metadata.uid.as_deref() != Some(uid.as_str()) {
-                self.lose("the FencedLease was re-created");
-                return now;
+        match self.tenure.clone() {
+            Some((tenure, uid)) => self.holder_step(lease, tenure, uid, retry_at, now).await,
+            None => self
+                .candidate_step(lease, retry_at, eligible, now)
+                .await
+                .unwrap_or(idle),
+        }
+    }
+
+    /// The holder's step: renews, hands over, or stops leading.
+    async fn holder_step(
+        &mut self,
+        lease: FencedLease,
+        tenure: Tenure,
+        uid: String,
+        retry_at: Option<Instant>,
+        now: Instant,
+    ) -> Instant {
+        if lease.metadata.uid.as_deref() != Some(uid.as_str()) {
+            self.lose("the FencedLease was re-created");
+            return now;
+        }
+        if lease.holder() != Some(self.me()) {
+            self.lose("another writer changed the holder");
+            return now;
+        }
+        let timing = self.timing(&lease);
+        // A shorter duration in the spec shortens our validity at once; a longer one applies
+        // from the renewal that records it in status.
+        let mut tenure = tenure.seeing(timing);
+        if let Some(generation) = lease.token().filter(|g| *g > tenure.token) {
+            // A spec edit (say, of the duration) while we hold it: the token moved on and
+            // our old one will be refused, so adopt the new one.
+            tenure.token = generation;
+        }
+        if self.tenure.as_ref().map(|(t, _)| t) != Some(&tenure) {
+            self.tenure = Some((tenure, uid));
+            self.publish_leading();
+        }
+        let preferred = lease.spec.preferred_holder.clone();
+        if preferred
+            .as_deref()
+            .is_some_and(|p| !p.is_empty() && p != self.me())
+            && tenure.is_valid(self.mono(now))
+        {
+            info!(preferred = ?preferred, "handing over to the preferred holder");
+            self.release("handover").await;
+            return now;
+        }
+        if let Some(r) = retry_at {
+            return r.min(self.instant(tenure.valid_until()));
+        }
+        let decision = holder_decision(
+            self.me(),
+            &tenure,
+            preferred.as_deref(),
+            &timing,
+            self.mono(now),
+        );
+        match decision {
+            HolderAction::Lost => {
+                self.lose("validity ended without a successful renewal");
+                now
             }
-            if lease.holder() != Some(self.me()) {
-                self.lose("another writer changed the holder");
-                return now;
-            }
-            let preferred = lease.spec.preferred_holder.clone();
-            if preferred
-                .as_deref()
-                .is_some_and(|p| !p.is_empty() && p != self.me())
-                && tenure.is_valid(&timing, self.mono(now))
-            {
+            HolderAction::StepDown => {
                 info!(preferred = ?preferred, "handing over to the preferred holder");
                 self.release("handover").await;
-                return now;
+                now
             }
-            if let Some(generation) = lease.token().filter(|g| *g > tenure.token) {
-                // A spec edit (say, of the duration) while we hold it: the token moved on and
-                // our old one will be refused, so adopt the new one.
-                tenure.token = generation;
-                self.tenure = Some((tenure, uid));
-                self.publish_leading();
+            HolderAction::Renew { budget } => {
+                self.renew(lease, tenure, budget, timing).await;
+                now
             }
-            let valid_until = self.instant(tenure.valid_until(&timing));
-            if let Some(r) = retry_at {
-                return r.min(valid_until);
+            HolderAction::WaitUntil(m) => self.instant(m),
+        }
+    }
+
+    /// A candidate's step: acquires the lease when the rules say so. None: nothing to wait for.
+    async fn candidate_step(
+        &mut self,
+        lease: FencedLease,
+        retry_at: Option<Instant>,
+        eligible: bool,
+        now: Instant,
+    ) -> Option<Instant> {
+        let obs = self.obs.clone()?;
+        self.publish(LeaderState::Following {
+            holder: lease.holder().map(str::to_string),
+            token: lease.token(),
+        });
+        if let Some(h) = self.hold_off_until.filter(|h| *h > now) {
+            return Some(h);
+        }
+        if let Some(r) = retry_at {
+            return Some(r);
+        }
+        if !eligible {
+            return None;
+        }
+        let timing = self.timing(&lease);
+        let wait = observer_duration(&lease, timing.lease_duration);
+        let preferred = lease.spec.preferred_holder.as_deref();
+        match candidate_decision(self.me(), &obs, preferred, wait, self.mono(now)) {
+            CandidateAction::Acquire => {
+                self.acquire(lease, timing).await;
+                Some(now)
             }
-            match holder_decision(
-                self.me(),
-                &tenure,
-                preferred.as_deref(),
-                &timing,
-                self.mono(now),
-            ) {
-                HolderAction::Lost => {
-                    self.lose("validity ended without a successful renewal");
-                    now
-                }
-                HolderAction::StepDown => {
-                    info!(preferred = ?preferred, "handing over to the preferred holder");
-                    self.release("handover").await;
-                    now
-                }
-                HolderAction::Renew { budget } => {
-                    self.renew(lease, tenure, budget, false).await;
-                    now
-                }
-                HolderAction::WaitUntil(m) => self.instant(m),
-            }
-        } else {
-            let Some(obs) = self.obs.clone() else {
-                return idle;
-            };
-            self.publish(LeaderState::Following {
-                holder: lease.holder().map(str::to_string),
-                token: lease.token(),
-            });
-            if let Some(h) = self.hold_off_until.filter(|h| *h > now) {
-                return h;
-            }
-            if let Some(r) = retry_at {
-                return r;
-            }
-            if !eligible {
-                return idle;
-            }
-            let preferred = lease.spec.preferred_holder.as_deref();
-            match candidate_decision(
-                self.me(),
-                &obs,
-                preferred,
-                timing.lease_duration,
-                self.mono(now),
-            ) {
-                CandidateAction::Acquire => {
-                    self.acquire(lease, timing).await;
-                    now
-                }
-                CandidateAction::WaitUntil(m) => self.instant(m),
-            }
+            CandidateAction::WaitUntil(m) => Some(self.instant(m)),
         }
     }
 
@@ -486,17 +517,15 @@ impl Elector {
                     self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
                     return;
                 }
-                let tenure = Tenure {
-                    token,
-                    last_sent: self.mono(sent),
-                };
+                let tenure = Tenure::acquired(token, self.mono(sent), timing);
                 self.tenure = Some((tenure, uid));
                 self.saw(Some(acquired.clone()));
-                info!(token, "acquired the lease");
-                self.publish_leading();
-                let budget = tenure.request_budget(&timing, self.mono(Instant::now()));
-                if let Some(budget) = budget {
-                    self.renew(acquired, tenure, budget, true).await;
+                info!(
+                    token,
+                    "acquired the lease; leading once a renewal records its duration"
+                );
+                if let Some(budget) = tenure.request_budget(self.mono(Instant::now())) {
+                    self.renew(acquired, tenure, budget, timing).await;
                 }
             }
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
@@ -546,8 +575,16 @@ impl Elector {
     }
 
     /// A renewal: a status write with the lease's resourceVersion as precondition, bounded by
-    /// the time left, counted from when it was sent.
-    async fn renew(&mut self, lease: FencedLease, tenure: Tenure, budget: Duration, first: bool) {
+    /// the time left, counted from when it was sent. It records `timing`'s duration in status,
+    /// and validity counts with that timing from the send once it succeeds.
+    async fn renew(
+        &mut self,
+        lease: FencedLease,
+        tenure: Tenure,
+        budget: Duration,
+        timing: Timing,
+    ) {
+        let first = !tenure.recorded;
         let now_wall = jiff::Timestamp::now();
         let wall = match self.last_renew_wall {
             Some(prev) if now_wall <= prev => prev + jiff::SignedDuration::from_micros(1),
@@ -569,6 +606,7 @@ impl Elector {
         status.holder_identity = Some(self.cfg.identity.clone());
         status.token = Some(tenure.token);
         status.renew_time = Some(MicroTime(wall));
+        status.lease_duration_seconds = Some(recorded_seconds(timing.lease_duration));
         let sent = Instant::now();
         let res = timeout(
             budget,
@@ -580,7 +618,7 @@ impl Elector {
             Ok(Ok(renewed)) => {
                 self.last_renew_wall = Some(wall);
                 if let Some((t, uid)) = self.tenure.take() {
-                    self.tenure = Some((t.renewed(self.mono(sent)), uid));
+                    self.tenure = Some((t.renewed(self.mono(sent), timing), uid));
                 }
                 self.saw(Some(renewed));
                 self.publish_leading();
@@ -661,6 +699,16 @@ pub fn activity_of(lease: &FencedLease) -> Activity {
             .and_then(|s| s.renew_time.as_ref())
             .map(|t| t.0.to_string()),
     }
+}
+
+/// How long an observer whose own duration is `own` (the spec's, unless overridden) waits
+/// without activity before this lease counts as expired: see
+/// [`observer_lease_duration`].
+pub fn observer_duration(lease: &FencedLease, own: Duration) -> Duration {
+    observer_lease_duration(
+        own,
+        lease.holder_lease_duration_seconds().map(lease_seconds),
+    )
 }
 
 fn rv_num(obj: &FencedLease) -> u64 {

@@ -9,6 +9,12 @@
 //!   expired. Since the send precedes every candidate's observation of that write, the holder's
 //!   claim ends at least `safety_margin` before anyone may take over, as long as the clocks'
 //!   rates differ by less than `safety_margin / lease_duration`.
+//!
+//! The duration itself may change while the lease is held. The holder records in status the
+//! duration of each renewal and counts validity with it (a shorter one it sees applies at
+//! once, a longer one from the renewal that records it); observers wait for the longer of the
+//! spec's and the recorded one ([`observer_lease_duration`]). So a holder that never sees an
+//! edit still stops before anyone takes over.
 
 use std::time::Duration;
 
@@ -41,9 +47,7 @@ impl Timing {
 
     /// Timing from `spec.leaseDurationSeconds` (values below 1 are treated as 1).
     pub fn for_lease_seconds(seconds: i32) -> Timing {
-        Timing::for_lease(Duration::from_secs(
-            u64::try_from(seconds.max(1)).unwrap_or(1),
-        ))
+        Timing::for_lease(lease_seconds(seconds))
     }
 
     /// Checks the relations the safety argument needs.
@@ -144,6 +148,29 @@ pub fn candidate_decision(
     }
 }
 
+/// How long an observer (a candidate or the controller) waits without seeing activity before a
+/// held lease counts as expired: the longer of the spec's duration and the one the holder
+/// recorded with its last renewal (`status.leaseDurationSeconds`, None while the status is not
+/// the current holder's). A holder cut off from the API server never learns that the spec was
+/// shortened and acts on the duration it renewed under; waiting for the longer of the two
+/// covers it, and a longer spec makes observers wait longer at once, which is safe.
+pub fn observer_lease_duration(spec: Duration, holder_recorded: Option<Duration>) -> Duration {
+    holder_recorded.map_or(spec, |recorded| recorded.max(spec))
+}
+
+/// `spec.leaseDurationSeconds` or `status.leaseDurationSeconds` as a duration (values below 1
+/// count as 1).
+pub fn lease_seconds(seconds: i32) -> Duration {
+    Duration::from_secs(u64::try_from(seconds.max(1)).unwrap_or(1))
+}
+
+/// The whole seconds a holder records for the duration it acts on: rounded up, so that the
+/// record is never shorter than what the holder uses.
+pub fn recorded_seconds(d: Duration) -> i32 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i32::try_from(secs.max(1)).unwrap_or(i32::MAX)
+}
+
 /// The holder's view: valid from the moment it sent its last successful write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tenure {
@@ -151,35 +178,86 @@ pub struct Tenure {
     pub token: i64,
     /// When the last successful acquisition or renewal was *sent*.
     pub last_sent: Mono,
+    /// The timing validity counts with: that of the last successful renewal (whose duration it
+    /// recorded in status), shortened at once to any shorter one the holder sees. A longer one
+    /// applies only from the renewal that records it, because observers may not have seen it
+    /// before.
+    pub timing: Timing,
+    /// A renewal of this tenure recorded `timing`'s duration in status. Until then the holder
+    /// claims nothing: the acquiring write cannot record it, and a spec edit could shorten what
+    /// observers wait for without the holder learning of it.
+    pub recorded: bool,
 }
 
 impl Tenure {
-    /// The moment this holder stops claiming leadership unless a renewal succeeds first.
-    pub fn valid_until(&self, timing: &Timing) -> Mono {
-        self.last_sent + timing.lease_duration.saturating_sub(timing.safety_margin)
+    /// A tenure whose acquiring write was sent at `sent`. It claims leadership only once a
+    /// renewal has recorded its duration (see [`Tenure::renewed`]).
+    pub fn acquired(token: i64, sent: Mono, timing: Timing) -> Tenure {
+        Tenure {
+            token,
+            last_sent: sent,
+            timing,
+            recorded: false,
+        }
     }
 
-    pub fn is_valid(&self, timing: &Timing, now: Mono) -> bool {
-        now < self.valid_until(timing)
+    /// The moment this holder's validity ends unless a renewal succeeds first.
+    pub fn valid_until(&self) -> Mono {
+        self.last_sent
+            + self
+                .timing
+                .lease_duration
+                .saturating_sub(self.timing.safety_margin)
+    }
+
+    /// Whether requests of this tenure may still be sent.
+    pub fn is_valid(&self, now: Mono) -> bool {
+        now < self.valid_until()
+    }
+
+    /// Whether the holder may act as leader at `now`.
+    pub fn claims(&self, now: Mono) -> bool {
+        self.recorded && self.is_valid(now)
     }
 
     /// When the next renewal is due.
-    pub fn renew_at(&self, timing: &Timing) -> Mono {
-        self.last_sent + timing.renew_interval
+    pub fn renew_at(&self) -> Mono {
+        self.last_sent + self.timing.renew_interval
     }
 
     /// How long a renewal sent at `now` may take: never past the end of validity, so that a
     /// hung request cannot keep a stale leader alive. None when validity already ended.
-    pub fn request_budget(&self, timing: &Timing, now: Mono) -> Option<Duration> {
-        let left = self.valid_until(timing).checked_sub(now)?;
+    pub fn request_budget(&self, now: Mono) -> Option<Duration> {
+        let left = self.valid_until().checked_sub(now)?;
         (!left.is_zero()).then_some(left)
     }
 
-    /// A renewal sent at `sent` succeeded: validity counts from `sent`, never moving backwards.
-    pub fn renewed(self, sent: Mono) -> Tenure {
+    /// The holder saw the lease with `current` timing (from the spec). A shorter duration
+    /// shortens validity at once: the next renewal records it, and if that renewal reaches the
+    /// API server but its answer is lost, observers count the shorter duration from it while
+    /// the holder still counts from the renewal before. A longer one waits for a renewal.
+    pub fn seeing(self, current: Timing) -> Tenure {
+        if current.lease_duration < self.timing.lease_duration {
+            Tenure {
+                timing: current,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
+    /// A renewal sent at `sent`, recording `timing`'s duration, succeeded: validity counts from
+    /// `sent` with that timing, never moving backwards.
+    pub fn renewed(self, sent: Mono, timing: Timing) -> Tenure {
+        if sent < self.last_sent {
+            return self;
+        }
         Tenure {
             token: self.token,
-            last_sent: self.last_sent.max(sent),
+            last_sent: sent,
+            timing,
+            recorded: true,
         }
     }
 }
@@ -197,23 +275,28 @@ pub enum HolderAction {
     WaitUntil(Mono),
 }
 
+/// The holder's decision. `current` is the timing of the lease as the holder sees it now;
+/// `tenure` should already have seen it ([`Tenure::seeing`]; applied here again, harmlessly).
+/// A renewal is due on schedule, and at once while no renewal recorded this tenure's duration
+/// or the recorded duration differs from the current one.
 pub fn holder_decision(
     me: &str,
     tenure: &Tenure,
     preferred: Option<&str>,
-    timing: &Timing,
+    current: &Timing,
     now: Mono,
 ) -> HolderAction {
-    let Some(budget) = tenure.request_budget(timing, now) else {
+    let tenure = tenure.seeing(*current);
+    let Some(budget) = tenure.request_budget(now) else {
         return HolderAction::Lost;
     };
     if preferred.is_some_and(|p| !p.is_empty() && p != me) {
         return HolderAction::StepDown;
     }
-    if now >= tenure.renew_at(timing) {
+    if !tenure.recorded || tenure.timing != *current || now >= tenure.renew_at() {
         HolderAction::Renew { budget }
     } else {
-        HolderAction::WaitUntil(tenure.renew_at(timing).min(tenure.valid_until(timing)))
+        HolderAction::WaitUntil(tenure.renew_at().min(tenure.valid_until()))
     }
 }
 
@@ -264,6 +347,10 @@ mod tests {
     const S: Duration = Duration::from_secs(1);
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+    /// A tenure acquired and renewed (its duration recorded) at `sent`.
+    fn held(token: i64, sent: Mono, t: Timing) -> Tenure {
+        Tenure::acquired(token, sent, t).renewed(sent, t)
     }
     fn act(holder: Option<&str>, generation: i64, marker: &str) -> Activity {
         Activity {
@@ -393,11 +480,8 @@ mod tests {
     #[test]
     fn holder_renews_on_schedule_and_loses_when_validity_ends() {
         let t = Timing::for_lease(15 * S); // renew 5 s, margin 2 s
-        let tenure = Tenure {
-            token: 7,
-            last_sent: 100 * S,
-        };
-        assert_eq!(tenure.valid_until(&t), 113 * S);
+        let tenure = held(7, 100 * S, t);
+        assert_eq!(tenure.valid_until(), 113 * S);
         assert_eq!(
             holder_decision("a", &tenure, None, &t, 101 * S),
             HolderAction::WaitUntil(105 * S)
@@ -418,17 +502,14 @@ mod tests {
             holder_decision("a", &tenure, None, &t, 500 * S),
             HolderAction::Lost
         );
-        assert!(tenure.is_valid(&t, 112 * S));
-        assert!(!tenure.is_valid(&t, 113 * S));
+        assert!(tenure.claims(112 * S));
+        assert!(!tenure.claims(113 * S));
     }
 
     #[test]
     fn holder_steps_down_for_a_preferred_candidate_but_not_for_itself() {
         let t = Timing::for_lease(15 * S);
-        let tenure = Tenure {
-            token: 7,
-            last_sent: Duration::ZERO,
-        };
+        let tenure = held(7, Duration::ZERO, t);
         assert_eq!(
             holder_decision("a", &tenure, Some("b"), &t, S),
             HolderAction::StepDown
@@ -451,22 +532,19 @@ mod tests {
     #[test]
     fn a_renewal_slower_than_the_time_left_cannot_extend_validity_backwards() {
         let t = Timing::for_lease(15 * S);
-        let tenure = Tenure {
-            token: 7,
-            last_sent: 100 * S,
-        };
+        let tenure = held(7, 100 * S, t);
         // A renewal sent at 105 s that answers at 120 s: validity counts from the send.
-        let after = tenure.renewed(105 * S);
-        assert_eq!(after.valid_until(&t), 118 * S);
+        let after = tenure.renewed(105 * S, t);
+        assert_eq!(after.valid_until(), 118 * S);
         assert!(
-            !after.is_valid(&t, 120 * S),
+            !after.claims(120 * S),
             "the slow answer arrived after validity ended"
         );
         // An answer to an older request never moves validity backwards.
-        assert_eq!(after.renewed(101 * S).last_sent, 105 * S);
+        assert_eq!(after.renewed(101 * S, t).last_sent, 105 * S);
         // The request budget is exactly the time left.
-        assert_eq!(tenure.request_budget(&t, 110 * S), Some(3 * S));
-        assert_eq!(tenure.request_budget(&t, 113 * S), None);
+        assert_eq!(tenure.request_budget(110 * S), Some(3 * S));
+        assert_eq!(tenure.request_budget(113 * S), None);
     }
 
     #[test]
@@ -498,6 +576,259 @@ mod tests {
         );
     }
 
+    #[test]
+    fn observers_wait_for_the_longer_of_spec_and_recorded_duration() {
+        // (spec, recorded by the holder) -> what observers wait for
+        let table = [
+            (10 * S, None, 10 * S),
+            (10 * S, Some(10 * S), 10 * S),
+            (2 * S, Some(10 * S), 10 * S), // cut while held: the holder may not know
+            (10 * S, Some(2 * S), 10 * S), // raised: waiting longer is safe at once
+        ];
+        for (spec, recorded, want) in table {
+            assert_eq!(
+                observer_lease_duration(spec, recorded),
+                want,
+                "{spec:?} {recorded:?}"
+            );
+        }
+        assert_eq!(recorded_seconds(10 * S), 10);
+        assert_eq!(recorded_seconds(ms(1500)), 2, "rounded up, never shorter");
+        assert_eq!(recorded_seconds(ms(1)), 1);
+        assert_eq!(recorded_seconds(Duration::ZERO), 1);
+        assert_eq!(lease_seconds(0), S);
+        assert_eq!(lease_seconds(7), 7 * S);
+    }
+
+    #[test]
+    fn a_new_tenure_claims_nothing_until_a_renewal_records_its_duration() {
+        let t = Timing::for_lease(10 * S);
+        let acquired = Tenure::acquired(4, 100 * S, t);
+        assert!(acquired.is_valid(101 * S), "it may still send requests");
+        assert!(!acquired.claims(101 * S), "but does not lead yet");
+        // Its first renewal is due at once, bounded by the acquisition's validity.
+        assert_eq!(
+            holder_decision("a", &acquired, None, &t, 101 * S),
+            HolderAction::Renew { budget: 7 * S }
+        );
+        let recorded = acquired.renewed(101 * S, t);
+        assert!(recorded.claims(101 * S));
+        assert_eq!(recorded.valid_until(), 109 * S);
+    }
+
+    #[test]
+    fn the_holder_shortens_at_once_and_lengthens_only_by_a_renewal() {
+        let long = Timing::for_lease(10 * S); // margin 2 s, renew every 3.33 s
+        let short = Timing::for_lease(2 * S); // margin 400 ms
+        let tenure = held(4, 100 * S, long);
+        assert_eq!(tenure.valid_until(), 108 * S);
+        // Cut to 2 s: validity ends 1.6 s after the last renewal, and a renewal is due now.
+        let cut = tenure.seeing(short);
+        assert_eq!(cut.valid_until(), 100 * S + ms(1600));
+        assert_eq!(
+            holder_decision("a", &tenure, None, &short, 101 * S),
+            HolderAction::Renew { budget: ms(600) },
+            "the decision applies the cut too"
+        );
+        assert_eq!(
+            holder_decision("a", &tenure, None, &short, 102 * S),
+            HolderAction::Lost,
+            "past the shortened validity"
+        );
+        // Raised to 10 s: validity stays until a renewal records the longer duration.
+        let low = held(4, 100 * S, short);
+        assert_eq!(low.seeing(long), low);
+        assert_eq!(
+            holder_decision("a", &low, None, &long, 100 * S + ms(100)),
+            HolderAction::Renew { budget: ms(1500) }
+        );
+        let raised = low.renewed(100 * S + ms(100), long);
+        assert_eq!(raised.valid_until(), 108 * S + ms(100));
+        assert_eq!(
+            holder_decision("a", &raised, None, &long, 101 * S),
+            HolderAction::WaitUntil(raised.renew_at())
+        );
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Outcome {
+        /// Applied by the API server, and the holder got the answer.
+        Confirmed,
+        /// Not applied (a conflict, an error).
+        Refused,
+        /// Applied, but the answer never reached the holder (a timeout).
+        Ambiguous,
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        /// Someone sets spec.leaseDurationSeconds to this.
+        Edit(u64),
+        /// The holder renews (if it still may), recording the duration it sees.
+        Renew(Outcome),
+        /// The holder stops for good: it sends and sees nothing more.
+        Freeze,
+    }
+
+    /// One step of a replay: (ms since the previous step, what happens, ms until a candidate
+    /// sees the write, ms until the holder sees the edit).
+    type Step = (u64, Op, u64, u64);
+
+    /// The lease as the API server stores it, reduced to what the rules read.
+    #[derive(Clone, Debug)]
+    struct Stored {
+        spec_secs: u64,
+        recorded_secs: Option<u64>,
+        generation: i64,
+        renewals: u32,
+    }
+
+    /// One holder acquires a lease of `d0` seconds at 0; then `steps` happen.
+    /// A candidate sees every write in order and takes over at its own expiry when no later
+    /// write came first (else its resourceVersion precondition fails). Returns an error if it
+    /// would take over while the holder still claims leadership.
+    fn replay(d0: u64, steps: &[Step]) -> Result<(), String> {
+        let timing = |secs: u64| Timing::for_lease(Duration::from_secs(secs));
+        let mut stored = Stored {
+            spec_secs: d0,
+            recorded_secs: None,
+            generation: 2,
+            renewals: 0,
+        };
+        // (applied at, what was stored, candidate's delay)
+        let mut writes = vec![(Duration::ZERO, stored.clone(), 0)];
+        let mut tenure = Tenure::acquired(2, Duration::ZERO, timing(d0));
+        let mut history = vec![(Duration::ZERO, tenure)];
+        let mut unseen: Vec<(Mono, u64)> = Vec::new(); // edits the holder has yet to see
+        let mut holder_secs = d0;
+        let (mut frozen, mut lost) = (false, false);
+        let mut now = Duration::ZERO;
+        for &(gap, op, cand_delay, holder_delay) in steps {
+            now += ms(gap);
+            if !frozen && !lost {
+                unseen.retain(|&(at, secs)| {
+                    let seen = at <= now;
+                    if seen {
+                        holder_secs = secs;
+                    }
+                    !seen
+                });
+                tenure = tenure.seeing(timing(holder_secs));
+                lost = !tenure.is_valid(now);
+                history.push((now, tenure));
+            }
+            match op {
+                Op::Edit(secs) => {
+                    stored.spec_secs = secs;
+                    stored.generation += 1;
+                    writes.push((now, stored.clone(), cand_delay));
+                    let after = unseen.last().map_or(now, |&(at, _)| at.max(now));
+                    unseen.push((after + ms(holder_delay), secs));
+                }
+                Op::Renew(outcome) if !frozen && !lost => {
+                    // A renewal from a stale view fails its resourceVersion precondition.
+                    let outcome = if unseen.is_empty() {
+                        outcome
+                    } else {
+                        Outcome::Refused
+                    };
+                    if !matches!(outcome, Outcome::Refused) {
+                        stored.recorded_secs = Some(holder_secs);
+                        stored.renewals += 1;
+                        writes.push((now, stored.clone(), cand_delay));
+                    }
+                    if matches!(outcome, Outcome::Confirmed) {
+                        tenure = tenure.renewed(now, timing(holder_secs));
+                        history.push((now, tenure));
+                    }
+                }
+                Op::Renew(_) => {}
+                Op::Freeze => frozen = true,
+            }
+        }
+        let mut obs: Option<Observation> = None;
+        let mut seen_at = Duration::ZERO;
+        for (k, (applied, w, delay)) in writes.iter().enumerate() {
+            seen_at = seen_at.max(*applied + ms(*delay));
+            let activity = act(Some("a"), w.generation, &w.renewals.to_string());
+            let o = Observation::observe(obs.as_ref(), activity, seen_at);
+            let wait = observer_lease_duration(
+                Duration::from_secs(w.spec_secs),
+                w.recorded_secs.map(Duration::from_secs),
+            );
+            let acts_at = o.expires_at(wait);
+            let current = writes.get(k + 1).is_none_or(|(next, _, _)| *next > acts_at);
+            let holder = history.iter().rev().find(|(at, _)| *at <= acts_at);
+            if let Some((_, t)) = holder.filter(|(_, t)| current && t.claims(acts_at)) {
+                return Err(format!(
+                    "a candidate takes over at {acts_at:?} (write {k}: {w:?}, waited {wait:?}) \
+                     while the holder claims until {:?}: {t:?}",
+                    t.valid_until()
+                ));
+            }
+            obs = Some(o);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn changing_the_duration_while_held_never_lets_a_candidate_in_early() {
+        use Op::*;
+        use Outcome::*;
+        let cases: &[(&str, u64, Vec<Step>)] = &[
+            (
+                "cut to 2 s while the holder is frozen",
+                10,
+                vec![
+                    (0, Renew(Confirmed), 0, 0),
+                    (500, Freeze, 0, 0),
+                    (500, Edit(2), 0, 0),
+                ],
+            ),
+            (
+                "cut right after the acquisition, before the first renewal",
+                10,
+                vec![(0, Freeze, 0, 0), (100, Edit(2), 0, 0)],
+            ),
+            (
+                "cut seen, its renewal applied but unanswered",
+                10,
+                vec![
+                    (0, Renew(Confirmed), 0, 0),
+                    (1000, Edit(2), 0, 0),
+                    (100, Renew(Ambiguous), 0, 0),
+                    (0, Freeze, 0, 0),
+                ],
+            ),
+            (
+                "raised to 10 s, seen late by a candidate",
+                2,
+                vec![
+                    (0, Renew(Confirmed), 0, 0),
+                    (100, Edit(10), 3000, 0),
+                    (100, Renew(Confirmed), 0, 0),
+                    (0, Freeze, 0, 0),
+                ],
+            ),
+        ];
+        for (what, d0, steps) in cases {
+            replay(*d0, steps).unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+    }
+
+    fn op_strategy() -> impl Strategy<Value = Op> {
+        let outcome = prop_oneof![
+            Just(Outcome::Confirmed),
+            Just(Outcome::Refused),
+            Just(Outcome::Ambiguous)
+        ];
+        prop_oneof![
+            2 => (1u64..=20).prop_map(Op::Edit),
+            6 => outcome.prop_map(Op::Renew),
+            1 => Just(Op::Freeze),
+        ]
+    }
+
     proptest! {
         /// The safety argument: for any renewal history, any delays between a write and its
         /// observation, and any observer clock rate within the margin's tolerance, the holder
@@ -523,7 +854,7 @@ mod tests {
                 let next_sent = sent + *gap as f64 / 1000.0;
                 // Between the previous write and this one, check the claim ends in time.
                 if let (Some(te), Some(o)) = (tenure, obs.as_ref()) {
-                    let claim_end_real = te.valid_until(&t).as_secs_f64();
+                    let claim_end_real = te.valid_until().as_secs_f64();
                     let observer_expiry_real = o.expires_at(t.lease_duration).as_secs_f64() / r;
                     // Only meaningful if the observer would expire before the next write.
                     if observer_expiry_real < next_sent {
@@ -535,8 +866,8 @@ mod tests {
                 let seen = sent + delays[i] as f64 / 1000.0;
                 let sent_d = Duration::from_secs_f64(sent);
                 tenure = Some(match tenure {
-                    None => Tenure { token: 1, last_sent: sent_d },
-                    Some(te) => te.renewed(sent_d),
+                    None => held(1, sent_d, t),
+                    Some(te) => te.renewed(sent_d, t),
                 });
                 obs = Some(Observation::observe(
                     obs.as_ref(),
@@ -547,7 +878,21 @@ mod tests {
                 let o = obs.as_ref().expect("just set");
                 let acts_at_real = o.expires_at(t.lease_duration).as_secs_f64() / r;
                 let te = tenure.expect("just set");
-                prop_assert!(!te.is_valid(&t, Duration::from_secs_f64(acts_at_real)));
+                prop_assert!(!te.claims(Duration::from_secs_f64(acts_at_real)));
+            }
+        }
+
+        /// For any sequence of duration edits, renewals (answered, refused, or applied with
+        /// the answer lost), delays in seeing them, and a holder that may freeze at any point,
+        /// a candidate never deems the lease expired before the holder stops acting.
+        #[test]
+        fn duration_edits_never_let_a_candidate_in_before_the_holder_stops(
+            d0 in 1u64..=20,
+            steps in proptest::collection::vec(
+                (0u64..6_000, op_strategy(), 0u64..3_000, 0u64..3_000), 1..30),
+        ) {
+            if let Err(e) = replay(d0, &steps) {
+                prop_assert!(false, "{}", e);
             }
         }
     }
