@@ -352,8 +352,7 @@ impl Exemptions {
 
     /// Is this writer exempt?
     pub fn covers(&self, username: &str, groups: &[String]) -> bool {
-        self.users.iter().any(|u| u == username)
-            || groups.iter().any(|g| self.groups.contains(g))
+        self.users.iter().any(|u| u == username) || groups.iter().any(|g| self.groups.contains(g))
     }
 }
 
@@ -620,12 +619,36 @@ mod tests {
             &users(&["system:authenticated", "system:serviceaccounts"])
         ));
         let table: &[(&[&str], &[&str], Option<ExemptionError>)] = &[
-            (&["system:serviceaccount:shop:app"], &[], Some(ExemptionError::WorkloadServiceAccount("system:serviceaccount:shop:app".into()))),
-            (&["system:serviceaccount:*"], &[], Some(ExemptionError::NotExact("system:serviceaccount:*".into()))),
+            (
+                &["system:serviceaccount:shop:app"],
+                &[],
+                Some(ExemptionError::WorkloadServiceAccount(
+                    "system:serviceaccount:shop:app".into(),
+                )),
+            ),
+            (
+                &["system:serviceaccount:*"],
+                &[],
+                Some(ExemptionError::NotExact("system:serviceaccount:*".into())),
+            ),
             (&[""], &[], Some(ExemptionError::NotExact("".into()))),
-            (&[], &["system:serviceaccounts"], Some(ExemptionError::BroadGroup("system:serviceaccounts".into()))),
-            (&[], &["system:serviceaccounts:shop"], Some(ExemptionError::BroadGroup("system:serviceaccounts:shop".into()))),
-            (&[], &["system:authenticated"], Some(ExemptionError::BroadGroup("system:authenticated".into()))),
+            (
+                &[],
+                &["system:serviceaccounts"],
+                Some(ExemptionError::BroadGroup("system:serviceaccounts".into())),
+            ),
+            (
+                &[],
+                &["system:serviceaccounts:shop"],
+                Some(ExemptionError::BroadGroup(
+                    "system:serviceaccounts:shop".into(),
+                )),
+            ),
+            (
+                &[],
+                &["system:authenticated"],
+                Some(ExemptionError::BroadGroup("system:authenticated".into())),
+            ),
             (&[], &["ops-controllers"], None),
         ];
         for (u, g, want) in table {

@@ -284,7 +284,11 @@ mod tests {
             ids.push(out["metadata"]["annotations"][WRITE_ID_ANNOTATION].clone());
         }
         // Every write presents a write id of its own.
-        assert!(ids.iter().all(|id| id.as_str().is_some_and(|s| s.starts_with("9-"))), "{ids:?}");
+        assert!(
+            ids.iter()
+                .all(|id| id.as_str().is_some_and(|s| s.starts_with("9-"))),
+            "{ids:?}"
+        );
         ids.sort_by_key(|v| v.to_string());
         ids.dedup();
         assert_eq!(ids.len(), 3, "write ids repeat: {ids:?}");

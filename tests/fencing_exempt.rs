@@ -65,7 +65,8 @@ async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_
 
     // The lease moves; B rolls out a new template; the controller follows without a token.
     let b = move_lease(&client, &ns.name, "inv", "pod-b").await;
-    let rollout = serde_json::json!({"spec": {"template": {"metadata": {"annotations": {"rollout": "2"}}}}});
+    let rollout =
+        serde_json::json!({"spec": {"template": {"metadata": {"annotations": {"rollout": "2"}}}}});
     fenced_merge(&deploys, "web", &b, rollout)
         .await
         .expect("B rolls out with its token");
@@ -79,11 +80,39 @@ async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_
 
     // Nobody else may update without a token, and an exempt identity may not touch the fencing.
     let ns_flag = ["-n", ns.name.as_str()];
-    let (ok, _, err) = kubectl(&[&ns_flag[..], &["annotate", "deployment", "web", "--overwrite", &format!("{REVISION}=9")]].concat());
+    let (ok, _, err) = kubectl(
+        &[
+            &ns_flag[..],
+            &[
+                "annotate",
+                "deployment",
+                "web",
+                "--overwrite",
+                &format!("{REVISION}=9"),
+            ],
+        ]
+        .concat(),
+    );
     assert!(!ok && err.contains("does not present a token"), "{err}");
     let as_gc = format!("--as={GC}");
-    let (ok, _, err) = kubectl(&[&ns_flag[..], &[as_gc.as_str(), "annotate", "deployment", "web", "--overwrite", "fencedlease.io/token=1"]].concat());
-    assert!(!ok && err.contains("fencedlease"), "the GC's identity changed the token: {err}");
+    let (ok, _, err) = kubectl(
+        &[
+            &ns_flag[..],
+            &[
+                as_gc.as_str(),
+                "annotate",
+                "deployment",
+                "web",
+                "--overwrite",
+                "fencedlease.io/token=1",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        !ok && err.contains("fencedlease"),
+        "the GC's identity changed the token: {err}"
+    );
 
     // The lease moves again; a cascading delete in the foreground: the garbage collector
     // deletes the ReplicaSets, then removes its finalizer from the protected Deployment.
@@ -97,7 +126,10 @@ async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_
         "the garbage collector to finish the cascading delete",
         || async {
             let gone = deploys.get_opt("web").await.ok()?.is_none();
-            let left = rs.list(&ListParams::default().labels("app=web")).await.ok()?;
+            let left = rs
+                .list(&ListParams::default().labels("app=web"))
+                .await
+                .ok()?;
             (gone && left.items.is_empty()).then_some(())
         },
     )

@@ -68,12 +68,16 @@ async fn write_past_frozen_connections(
     h: &Held,
     by: &str,
 ) -> Result<ConfigMap, (u16, String)> {
-    eventually(Duration::from_secs(30), "an answer that is not 503", || async {
-        match fenced_merge(cms, "inv", h, serde_json::json!({"data": {"by": by}})).await {
-            Err((503, _)) => None,
-            other => Some(other),
-        }
-    })
+    eventually(
+        Duration::from_secs(30),
+        "an answer that is not 503",
+        || async {
+            match fenced_merge(cms, "inv", h, serde_json::json!({"data": {"by": by}})).await {
+                Err((503, _)) => None,
+                other => Some(other),
+            }
+        },
+    )
     .await
 }
 
@@ -109,9 +113,11 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
     let cut = Instant::now();
     s.proxy.cut();
     // With no write to notice it, the probe turns the webhook unready within the bound.
-    eventually(READINESS_BOUND * 2, "the webhook to turn unready", || async {
-        (s.wh.readyz() == 503).then_some(())
-    })
+    eventually(
+        READINESS_BOUND * 2,
+        "the webhook to turn unready",
+        || async { (s.wh.readyz() == 503).then_some(()) },
+    )
     .await;
     let took = cut.elapsed();
     assert!(
@@ -130,11 +136,21 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
         (s.wh.readyz() == 200).then_some(())
     })
     .await;
-    assert!(back.elapsed() <= READINESS_BOUND, "ready again only after {:?}", back.elapsed());
+    assert!(
+        back.elapsed() <= READINESS_BOUND,
+        "ready again only after {:?}",
+        back.elapsed()
+    );
     fenced_merge(&s.cms, "inv", &b, serde_json::json!({"data": {"by": "b"}}))
         .await
         .expect("B writes once the webhook can read again");
-    let late = fenced_merge(&s.cms, "inv", &s.a, serde_json::json!({"data": {"by": "a"}})).await;
+    let late = fenced_merge(
+        &s.cms,
+        "inv",
+        &s.a,
+        serde_json::json!({"data": {"by": "a"}}),
+    )
+    .await;
     assert_refused("A after the reconnect", late, 409, "stale token");
 }
 
@@ -145,7 +161,13 @@ async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_c
     let leases: Api<FencedLease> = Api::namespaced(s.client.clone(), &s.ns.name);
     common::delete_ignore_missing(&leases, "inv").await;
     eventually(Duration::from_secs(10), "the lease to be gone", || async {
-        leases.get_opt("inv").await.ok().flatten().is_none().then_some(())
+        leases
+            .get_opt("inv")
+            .await
+            .ok()
+            .flatten()
+            .is_none()
+            .then_some(())
     })
     .await;
     let mut spec = FencedLeaseSpec::free();
@@ -158,16 +180,28 @@ async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_c
         token: l.token().expect("generation"),
         uid: l.metadata.uid.clone().expect("uid"),
     };
-    assert!(c.token <= s.a.token, "tokens restart with the new incarnation");
+    assert!(
+        c.token <= s.a.token,
+        "tokens restart with the new incarnation"
+    );
     write_past_frozen_connections(&s.cms, &c, "c")
         .await
         .expect("C, the new incarnation's holder, writes");
     // A still presents the old incarnation's token, which the frozen cache shows as current.
     let late = write_past_frozen_connections(&s.cms, &s.a, "a").await;
-    assert_refused("A's old-incarnation token", late, 409, "belongs to an earlier");
+    assert_refused(
+        "A's old-incarnation token",
+        late,
+        409,
+        "belongs to an earlier",
+    );
     let stored = s.cms.get("inv").await.expect("read");
     assert_eq!(
-        stored.data.unwrap_or_default().get("by").map(String::as_str),
+        stored
+            .data
+            .unwrap_or_default()
+            .get("by")
+            .map(String::as_str),
         Some("c")
     );
 }

@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::fencing::{assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held};
+use common::fencing::{
+    assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held,
+};
 use common::procs::scratch_dir;
 use common::webhook::Webhook;
 use common::{client, ensure_crd, kubectl, TestNamespace};
@@ -41,16 +43,23 @@ async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
         .await
         .expect("B writes");
     // A, replaced, asks for warn mode in its own write: still refused.
-    let warn = serde_json::json!({"metadata": {"annotations": {MODE: "warn"}}, "data": {"by": "a"}});
+    let warn =
+        serde_json::json!({"metadata": {"annotations": {MODE: "warn"}}, "data": {"by": "a"}});
     let mut patch = warn.clone();
     let r = fenced_merge(&cms, "inv", &a, patch.take()).await;
     assert_refused("A's write asking for warn", r, 409, "stale token");
     // Deletes are not fenced (README says so); A deletes and re-creates the object in warn mode
     // with its stale token: the create is judged in the namespace's mode, enforce.
-    cms.delete("inv", &Default::default()).await.expect("delete");
+    cms.delete("inv", &Default::default())
+        .await
+        .expect("delete");
     let mut meta = protected_meta("inv", "inv", &a);
     meta["annotations"][MODE] = "warn".into();
-    let r = create(&cms, serde_json::json!({"metadata": meta, "data": {"by": "a"}})).await;
+    let r = create(
+        &cms,
+        serde_json::json!({"metadata": meta, "data": {"by": "a"}}),
+    )
+    .await;
     assert_refused("A's re-create in warn mode", r, 409, "stale token");
 }
 
@@ -74,14 +83,25 @@ async fn hole_7_a_forged_high_token_stored_in_warn_mode_does_not_lock_out_the_ho
         token: 999_999,
         uid: a.uid.clone(),
     };
-    fenced_merge(&cms, "inv", &forged, serde_json::json!({"data": {"by": "forger"}}))
-        .await
-        .expect("warn mode lets the forged token through (with a warning)");
+    fenced_merge(
+        &cms,
+        "inv",
+        &forged,
+        serde_json::json!({"data": {"by": "forger"}}),
+    )
+    .await
+    .expect("warn mode lets the forged token through (with a warning)");
     annotate_namespace(&ns.name, None);
     // Back in enforce mode the holder's real token is accepted: 999999 counts for nothing.
     fenced_merge(&cms, "inv", &a, serde_json::json!({"data": {"by": "a"}}))
         .await
         .expect("the holder is not locked out by the stored forged token");
-    let r = fenced_merge(&cms, "inv", &forged, serde_json::json!({"data": {"by": "forger"}})).await;
+    let r = fenced_merge(
+        &cms,
+        "inv",
+        &forged,
+        serde_json::json!({"data": {"by": "forger"}}),
+    )
+    .await;
     assert_refused("the forged token in enforce mode", r, 409, "is ahead of");
 }

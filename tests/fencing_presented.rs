@@ -37,12 +37,22 @@ async fn hole_3_an_update_that_does_not_present_a_token_is_refused_though_the_ob
     for args in [
         vec!["label", "configmap", "inv", "touched=yes"],
         vec!["annotate", "configmap", "inv", "note=hello"],
-        vec!["patch", "configmap", "inv", "--type=merge", "-p", r#"{"data":{"n":"1"}}"#],
+        vec![
+            "patch",
+            "configmap",
+            "inv",
+            "--type=merge",
+            "-p",
+            r#"{"data":{"n":"1"}}"#,
+        ],
     ] {
         let mut full = vec!["-n", &ns.name];
         full.extend(args.iter().copied());
         let (ok, _, err) = kubectl(&full);
-        assert!(!ok && err.contains(not_presented), "kubectl {args:?}: {err}");
+        assert!(
+            !ok && err.contains(not_presented),
+            "kubectl {args:?}: {err}"
+        );
     }
     // A read-modify-write that keeps what it read (the stored write id), with a fresh
     // resourceVersion: refused.

@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::fencing::{assert_refused, create, fenced_merge, held_lease, protected_meta, stamp, LEASE};
+use common::fencing::{
+    assert_refused, create, fenced_merge, held_lease, protected_meta, stamp, LEASE,
+};
 use common::procs::scratch_dir;
 use common::webhook::{ensure_widget_crd, Webhook, WIDGET_GROUP};
 use common::{client, ensure_crd, TestNamespace};
@@ -53,17 +55,33 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
 
     // Deployments: /status may carry annotations, so it is judged like any write.
     let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
-    create(&deploys, workload(protected_meta("web", "inv", &a), false)).await.expect("web");
-    create(&deploys, workload(serde_json::json!({"name": "plain"}), false)).await.expect("plain");
+    create(&deploys, workload(protected_meta("web", "inv", &a), false))
+        .await
+        .expect("web");
+    create(
+        &deploys,
+        workload(serde_json::json!({"name": "plain"}), false),
+    )
+    .await
+    .expect("plain");
     let warn = serde_json::json!({"metadata": {"annotations": {"fencedlease.io/fencing": "warn"}}});
     let r = patched(deploys.patch_status("web", &pp, &Patch::Merge(&warn)).await).await;
-    assert_refused("deployments/status without a token", r, 409, "does not present a token");
+    assert_refused(
+        "deployments/status without a token",
+        r,
+        409,
+        "does not present a token",
+    );
     let three = serde_json::json!({"spec": {"replicas": 3}});
     let r = patched(deploys.patch_scale("web", &pp, &Patch::Merge(&three)).await).await;
     assert_refused("deployments/scale", r, 409, SCALE_REFUSED);
-    patched(deploys.patch_scale("plain", &pp, &Patch::Merge(&three)).await)
-        .await
-        .expect("an unprotected Deployment scales freely");
+    patched(
+        deploys
+            .patch_scale("plain", &pp, &Patch::Merge(&three))
+            .await,
+    )
+    .await
+    .expect("an unprotected Deployment scales freely");
     // The HPA is one of Kubernetes' own writers, exempt: it reads /scale and updates it.
     let as_hpa: Api<Deployment> = Api::namespaced(common::client_as(HPA).await, &ns.name);
     let mut scale = as_hpa.get_scale("web").await.expect("the HPA reads /scale");
@@ -75,10 +93,17 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
 
     // StatefulSets: /status can drop the lease label; /scale as above.
     let sts: Api<StatefulSet> = Api::namespaced(client.clone(), &ns.name);
-    create(&sts, workload(protected_meta("db", "inv", &a), true)).await.expect("db");
+    create(&sts, workload(protected_meta("db", "inv", &a), true))
+        .await
+        .expect("db");
     let unlabel = serde_json::json!({"metadata": {"labels": {LEASE: null}}});
     let r = patched(sts.patch_status("db", &pp, &Patch::Merge(&unlabel)).await).await;
-    assert_refused("statefulsets/status dropping the label", r, 409, "does not present a token");
+    assert_refused(
+        "statefulsets/status dropping the label",
+        r,
+        409,
+        "does not present a token",
+    );
     let r = patched(sts.patch_scale("db", &pp, &Patch::Merge(&three)).await).await;
     assert_refused("statefulsets/scale", r, 409, SCALE_REFUSED);
 
@@ -93,14 +118,32 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
     let widgets: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns.name, &ar);
     let w = serde_json::json!({"apiVersion": format!("{WIDGET_GROUP}/v1"), "kind": "Widget",
         "metadata": protected_meta("gear", "inv", &a), "spec": {"replicas": 1}});
-    create(&widgets, w).await.expect("create a protected widget");
-    let status = serde_json::json!({"metadata": {"annotations": stamp(&a)}, "status": {"note": "hi"}});
-    let r = patched(widgets.patch_status("gear", &pp, &Patch::Merge(&status)).await).await;
+    create(&widgets, w)
+        .await
+        .expect("create a protected widget");
+    let status =
+        serde_json::json!({"metadata": {"annotations": stamp(&a)}, "status": {"note": "hi"}});
+    let r = patched(
+        widgets
+            .patch_status("gear", &pp, &Patch::Merge(&status))
+            .await,
+    )
+    .await;
     assert_refused("widgets/status", r, 409, "no token can be presented there");
-    let r = patched(widgets.patch_scale("gear", &pp, &Patch::Merge(&three)).await).await;
+    let r = patched(
+        widgets
+            .patch_scale("gear", &pp, &Patch::Merge(&three))
+            .await,
+    )
+    .await;
     assert_refused("widgets/scale", r, 409, SCALE_REFUSED);
     // The object itself still takes fenced writes.
-    fenced_merge(&widgets, "gear", &a, serde_json::json!({"spec": {"replicas": 2}}))
-        .await
-        .expect("a fenced write of the widget itself");
+    fenced_merge(
+        &widgets,
+        "gear",
+        &a,
+        serde_json::json!({"spec": {"replicas": 2}}),
+    )
+    .await
+    .expect("a fenced write of the widget itself");
 }

@@ -505,14 +505,31 @@ mod tests {
         };
         let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
         assert_eq!(label, "denied_not_presented");
-        assert!(resp.result.message.contains("/status"), "{}", resp.result.message);
+        assert!(
+            resp.result.message.contains("/status"),
+            "{}",
+            resp.result.message
+        );
         let scale = serde_json::json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {"name": "inventory", "namespace": "shop"}, "spec": {"replicas": 3}});
-        match parsed(&review_as("UPDATE", Some("scale"), "alice", scale.clone(), Some(scale.clone()))) {
+        match parsed(&review_as(
+            "UPDATE",
+            Some("scale"),
+            "alice",
+            scale.clone(),
+            Some(scale.clone()),
+        )) {
             Parsed::Scale(c) => {
-                assert_eq!((c.name.as_str(), c.resource.as_str()), ("inventory", "configmaps"));
+                assert_eq!(
+                    (c.name.as_str(), c.resource.as_str()),
+                    ("inventory", "configmaps")
+                );
                 let r = c.refuse("inv");
-                assert!(!r.allowed && r.result.code == 409 && r.result.message.contains("/scale"), "{:?}", r.result);
+                assert!(
+                    !r.allowed && r.result.code == 409 && r.result.message.contains("/scale"),
+                    "{:?}",
+                    r.result
+                );
             }
             other => panic!("expected a scale check, got {other:?}"),
         }

@@ -45,7 +45,9 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::api::FencedLease;
-use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS, MODE_ANNOTATION};
+use crate::fencing::{
+    decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS, MODE_ANNOTATION,
+};
 use crate::metrics::HealthState;
 use admission::{Judgement, Parsed, ScaleCheck, MAX_BODY_BYTES};
 use tls::{CertFiles, ReloadingCert};
@@ -361,9 +363,11 @@ impl Shared {
         };
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &c.namespace, &ar);
         match timed_read(&self.health, api.get_metadata_opt(&c.name)).await {
-            Ok(obj) => match obj.as_ref().and_then(|o| o.metadata.labels.as_ref()).and_then(|l| {
-                l.get(crate::fencing::LEASE_LABEL).filter(|v| !v.is_empty())
-            }) {
+            Ok(obj) => match obj
+                .as_ref()
+                .and_then(|o| o.metadata.labels.as_ref())
+                .and_then(|l| l.get(crate::fencing::LEASE_LABEL).filter(|v| !v.is_empty()))
+            {
                 Some(lease) => (c.refuse(lease), "denied_scale"),
                 None => (c.response.clone(), "passed"),
             },
@@ -418,7 +422,10 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
             Parsed::Invalid(review) => (*review, "invalid"),
             Parsed::Pass(resp, why) => {
                 debug!(why, "not a protected write");
-                (resp.into_review(), if why == "exempt" { "exempt" } else { "passed" })
+                (
+                    resp.into_review(),
+                    if why == "exempt" { "exempt" } else { "passed" },
+                )
             }
             Parsed::Scale(c) => {
                 let (resp, label) = s.scale(&c).await;

@@ -86,7 +86,12 @@ impl ApiProxy {
     }
 }
 
-async fn forward(id: u64, mut client: TcpStream, upstream: SocketAddr, mut rx: watch::Receiver<Mode>) {
+async fn forward(
+    id: u64,
+    mut client: TcpStream,
+    upstream: SocketAddr,
+    mut rx: watch::Receiver<Mode>,
+) {
     if *rx.borrow_and_update() == Mode::Cut {
         return;
     }

@@ -93,7 +93,9 @@ where
     K: Clone + DeserializeOwned + Debug + serde::Serialize,
 {
     let o: K = serde_json::from_value(obj).expect("object literal");
-    api.create(&PostParams::default(), &o).await.map_err(refusal)
+    api.create(&PostParams::default(), &o)
+        .await
+        .map_err(refusal)
 }
 
 /// Metadata of an object protected by `lease`, stamped by `h`.

@@ -171,7 +171,10 @@ impl Webhook {
             ])
             .output()
             .expect("curl");
-        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0)
     }
 
     async fn wait_ready(&self) {
