@@ -209,7 +209,13 @@ fn bench_respond(c: &mut Criterion) {
     let stale = judgement(&b.stale_update);
     let mut g = c.benchmark_group("respond");
     g.bench_function("allowed", |bench| {
-        bench.iter(|| respond(black_box(&allowed), black_box(Some(&current)), Mode::Enforce))
+        bench.iter(|| {
+            respond(
+                black_box(&allowed),
+                black_box(Some(&current)),
+                Mode::Enforce,
+            )
+        })
     });
     g.bench_function("refused_stale", |bench| {
         bench.iter(|| respond(black_box(&stale), black_box(Some(&current)), Mode::Enforce))
@@ -233,7 +239,9 @@ fn bench_pipeline(c: &mut Criterion) {
                 || body.clone(),
                 |body| {
                     let review = match parse(&body, &ex) {
-                        Parsed::Judge(j) => respond(&j, Some(&current), Mode::Enforce).0.into_review(),
+                        Parsed::Judge(j) => {
+                            respond(&j, Some(&current), Mode::Enforce).0.into_review()
+                        }
                         Parsed::Pass(r, _) => r.into_review(),
                         Parsed::Scale(c) => c.response.into_review(),
                         Parsed::Invalid(r) => *r,
