@@ -554,6 +554,78 @@ fn rendered_objects_follow_the_design() {
     // No PodDisruptionBudget without policy/v1.
     assert!(find(&docs, "PodDisruptionBudget").is_empty());
 
+    // Replicas per Deployment, a budget only where there is more than one; an existing
+    // ServiceAccount for the webhook; per-lease Roles for workloads.
+    let docs = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--api-versions",
+        "policy/v1/PodDisruptionBudget",
+        "--set",
+        "controller.replicas=1,webhook.replicas=3",
+        "--set",
+        "webhook.serviceAccount.create=false,webhook.serviceAccount.name=hook",
+        "--set-json",
+        r#"workloads=[{"namespace":"shop","serviceAccount":"inventory","leases":["inventory","stock"]}]"#,
+    ]));
+    assert_eq!(
+        named(&docs, "Deployment", "design-fencedlease-controller")["spec"]["replicas"],
+        1
+    );
+    let webhook_deploy = named(&docs, "Deployment", "design-fencedlease-webhook");
+    assert_eq!(webhook_deploy["spec"]["replicas"], 3);
+    assert_eq!(
+        webhook_deploy["spec"]["template"]["spec"]["serviceAccountName"],
+        "hook"
+    );
+    let pdbs: Vec<&str> = find(&docs, "PodDisruptionBudget")
+        .iter()
+        .map(|d| d["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(pdbs, ["design-fencedlease-webhook"]);
+    let sas: Vec<&str> = find(&docs, "ServiceAccount")
+        .iter()
+        .map(|d| d["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sas,
+        ["design-fencedlease"],
+        "no webhook ServiceAccount is created"
+    );
+    assert_eq!(
+        named(&docs, "ClusterRoleBinding", "design-fencedlease-webhook")["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": "hook", "namespace": "default"}])
+    );
+    let role = named(&docs, "Role", "design-fencedlease-inventory");
+    assert_eq!(role["metadata"]["namespace"], "shop");
+    assert_eq!(
+        grants(role),
+        [
+            "get fencedlease.io/fencedleases/inventory",
+            "get fencedlease.io/fencedleases/stock",
+            "list fencedlease.io/fencedleases/inventory",
+            "list fencedlease.io/fencedleases/stock",
+            "update fencedlease.io/fencedleases/inventory",
+            "update fencedlease.io/fencedleases/status/inventory",
+            "update fencedlease.io/fencedleases/status/stock",
+            "update fencedlease.io/fencedleases/stock",
+            "watch fencedlease.io/fencedleases/inventory",
+            "watch fencedlease.io/fencedleases/stock",
+        ]
+    );
+    let binding = named(&docs, "RoleBinding", "design-fencedlease-inventory");
+    assert_eq!(binding["metadata"]["namespace"], "shop");
+    assert_eq!(
+        binding["roleRef"],
+        serde_json::json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+            "name": "design-fencedlease-inventory"})
+    );
+    assert_eq!(
+        binding["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": "inventory", "namespace": "shop"}])
+    );
+
     // cert-manager mode: Issuer + Certificate, CA injection, no --webhook-* flags, no Secret RBAC.
     let docs = documents(&helm_ok(&[
         "template",
@@ -612,7 +684,7 @@ fn rendered_objects_follow_the_design() {
 #[test]
 fn wrong_values_fail_with_a_schema_error() {
     let c = chart();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["--set", "replicas=two"], "/replicas"),
         (&["--set", "replicas=0"], "/replicas"),
         (
@@ -635,6 +707,32 @@ fn wrong_values_fail_with_a_schema_error() {
                 r#"fencing.resources=[{"group":"*","resource":"*"}]"#,
             ],
             "/fencing/resources/0/group",
+        ),
+        (&["--set", "webhook.replicas=0"], "/webhook/replicas"),
+        (
+            &["--set", "webhook.serviceAccount.create=maybe"],
+            "/webhook/serviceAccount/create",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":[]}]"#,
+            ],
+            "/workloads/0/leases",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"Shop","serviceAccount":"a","leases":["x"]}]"#,
+            ],
+            "/workloads/0/namespace",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","leases":["x"]}]"#,
+            ],
+            "/workloads/0",
         ),
     ];
     for (extra, path) in cases {
@@ -664,6 +762,30 @@ fn wrong_values_fail_with_a_schema_error() {
         r#"fencing.resources=[{"group":"fencedlease.io","resource":"fencedleases"}]"#,
     ]);
     assert!(!ok && err.contains("fencedlease.io"), "{err}");
+    // The webhook may not run as the controller (it would hold its write rights), and a
+    // workload's ServiceAccount gets one entry (template checks with their own messages).
+    for (extra, expected) in [
+        (
+            ["--set", "webhook.serviceAccount.name=bad-fencedlease"],
+            "identity of its own",
+        ),
+        (
+            [
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":["x"]},{"namespace":"shop","serviceAccount":"a","leases":["y"]}]"#,
+            ],
+            "shop/a is listed twice",
+        ),
+    ] {
+        let mut args = vec!["template", "bad", &c];
+        args.extend(extra);
+        let (ok, _, err) = helm(&args);
+        assert!(
+            !ok && err.contains(expected),
+            "helm {}: {err}",
+            args.join(" ")
+        );
+    }
     // The control: good values pass.
     helm_ok(&[
         "template",
@@ -671,6 +793,10 @@ fn wrong_values_fail_with_a_schema_error() {
         &c,
         "--set",
         "replicas=3,image.pullPolicy=IfNotPresent",
+        "--set",
+        "controller.replicas=1,webhook.replicas=2,webhook.serviceAccount.name=hook",
+        "--set-json",
+        r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":["x","y.z"]}]"#,
     ]);
 }
 

@@ -87,6 +87,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* Role and RoleBinding of one entry of `workloads`: (dict "root" $ "serviceAccount" NAME). */}}
+{{- define "fencedlease.workloadRoleName" -}}
+{{- printf "%s-%s" (include "fencedlease.fullname" .root) .serviceAccount -}}
+{{- end -}}
+
 {{/* The webhook Service; the serving certificate is for its DNS names. */}}
 {{- define "fencedlease.serviceName" -}}
 {{- include "fencedlease.fullname" . -}}
@@ -143,6 +148,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- if eq (include "fencedlease.webhookServiceAccountName" .) (include "fencedlease.serviceAccountName" .) -}}
 {{- fail (printf "webhook.serviceAccount.name %q is the controller's ServiceAccount: the network-facing webhook must have an identity of its own, without the controller's write rights; choose another name (or leave it empty)" (include "fencedlease.webhookServiceAccountName" .)) -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $i, $w := (.Values.workloads | default list) -}}
+{{- $ns := required (printf "workloads[%d].namespace is required: the namespace of the workload's pods" $i) $w.namespace -}}
+{{- $sa := required (printf "workloads[%d].serviceAccount is required: the ServiceAccount of the workload's pods" $i) $w.serviceAccount -}}
+{{- if not $w.leases -}}
+{{- fail (printf "workloads[%d].leases is empty: list the FencedLeases (names, in namespace %s) that %s campaigns for" $i $ns $sa) -}}
+{{- end -}}
+{{- $key := printf "%s/%s" $ns $sa -}}
+{{- if hasKey $seen $key -}}
+{{- fail (printf "workloads: %s is listed twice: give each ServiceAccount one entry and list all its leases there" $key) -}}
+{{- end -}}
+{{- $_ := set $seen $key true -}}
 {{- end -}}
 {{- end -}}
 
