@@ -319,3 +319,47 @@ pub fn extra_writes(who: &str, namespace: &str) -> BTreeSet<String> {
         .cloned()
         .collect()
 }
+
+/// A copy of the test kubeconfig whose users act as `who` (kubeconfig `as:`, the same
+/// impersonation as `kubectl --as`), written into `dir`: a real `fencedlease` process started
+/// with it has exactly `who`'s rights.
+pub fn kubeconfig_as(who: &str, dir: &Path) -> PathBuf {
+    let source = super::kubeconfig_path();
+    let text = std::fs::read_to_string(&source)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", source.display()));
+    let mut config: serde_json::Value =
+        serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", source.display()));
+    let users = config["users"]
+        .as_array_mut()
+        .unwrap_or_else(|| panic!("{} has no users", source.display()));
+    for user in users {
+        user["user"]["as"] = serde_json::json!(who);
+    }
+    let path = dir.join(format!("kubeconfig-as-{:08x}", super::rand_u32()));
+    std::fs::write(&path, serde_yaml_ng::to_string(&config).expect("yaml"))
+        .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    path
+}
+
+/// `fencedlease ARGS` as a separate process acting as `who` (see `kubeconfig_as`); its output
+/// goes to `dir/NAME.log`. Killed when dropped.
+pub fn spawn_as(who: &str, name: &str, dir: &Path, args: &[&str]) -> super::procs::Proc {
+    let kubeconfig = kubeconfig_as(who, dir);
+    let log = dir.join(format!("{name}.log"));
+    let logf = std::fs::File::create(&log).expect("create log");
+    let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+        .args(args)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info,kube=warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(logf.try_clone().expect("dup log"))
+        .stderr(logf)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+    super::procs::Proc {
+        name: name.to_string(),
+        child,
+        events: dir.join(format!("{name}.events")),
+        log,
+    }
+}
