@@ -3,7 +3,8 @@
 //! status.renewTime). Shown for the chart's per-lease Roles (value `workloads`, rendered with
 //! `helm template` and applied with kubectl) and for the documented `kubectl create role
 //! --resource-name` recipe, against the real API server, by impersonation: `kubectl auth can-i`,
-//! the full list of what each identity may write, and real reads and writes.
+//! the full list of what each identity may write, real reads and writes, and a real
+//! `fencedlease campaign` acting as the workload (it leads its own lease, never another).
 //!
 //! What RBAC cannot do, and this does not claim: tell apart two pods of the same ServiceAccount.
 //! Each may renew the other's tenure of their shared lease.
@@ -12,7 +13,11 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::helm::{denied, eventually_allowed, extra_writes, Release};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::helm::{denied, eventually_allowed, extra_writes, spawn_as, Release};
+use common::procs::{scratch_dir, Proc};
 use common::{client, ensure_crd, kubectl, TestNamespace};
 use serde_json::{json, Value};
 
@@ -172,6 +177,49 @@ async fn check(ns: &str, who: &str, own: &[&str], others: &[&str]) {
     }
 }
 
+/// A real `fencedlease campaign` for `lease`, acting as `who`; its command writes the token it
+/// was given to the returned file and then waits.
+fn campaign_as(dir: &Path, ns: &str, who: &str, lease: &str) -> (Proc, PathBuf) {
+    let name = format!("{}-{lease}", who.rsplit(':').next().unwrap());
+    let token_file = dir.join(format!("{name}.token"));
+    let proc = spawn_as(
+        who,
+        &name,
+        dir,
+        &[
+            "campaign",
+            "--lease",
+            lease,
+            "--namespace",
+            ns,
+            "--identity",
+            &name,
+            "--lease-duration",
+            "15",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$FENCEDLEASE_TOKEN\" > \"$0\"; sleep 60",
+            token_file.to_str().expect("utf-8"),
+        ],
+    );
+    (proc, token_file)
+}
+
+/// Waits up to `timeout` for the campaign's command to have run; returns the token it got.
+async fn token_within(token_file: &Path, timeout: Duration) -> Option<String> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(t) = std::fs::read_to_string(token_file) {
+            if !t.trim().is_empty() {
+                return Some(t.trim().to_string());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
 /// Exactly the writes `check` expects, as `kubectl auth can-i --list` shows them.
 fn expected_writes(own: &[&str]) -> BTreeSet<String> {
     own.iter()
@@ -268,6 +316,47 @@ async fn a_workload_may_campaign_only_for_its_own_leases() {
 
     let sa = |name: &str| format!("system:serviceaccount:{n}:{name}");
     let (worker, neighbour, cook) = (sa("worker"), sa("neighbour"), sa("cook"));
+
+    // The real candidate, acting as worker: it leads its own free lease, and never the
+    // neighbour's (free too).
+    eventually_allowed(&worker, &["update", &format!("{LEASES}/mine"), "-n", n]).await;
+    let dir = scratch_dir("lease-rights");
+    let (own, own_token) = campaign_as(&dir, n, &worker, "mine");
+    let (other, other_token) = campaign_as(&dir, n, &worker, "theirs");
+    assert!(
+        token_within(&own_token, Duration::from_secs(30))
+            .await
+            .is_some(),
+        "worker's campaign did not lead its own lease:\n{}",
+        own.log_tail()
+    );
+    assert_eq!(
+        token_within(&other_token, Duration::from_secs(3)).await,
+        None,
+        "worker's campaign led the neighbour's lease"
+    );
+    assert!(
+        std::fs::read_to_string(&other.log)
+            .unwrap_or_default()
+            .to_lowercase()
+            .contains("forbidden"),
+        "worker's campaign for theirs was not refused:\n{}",
+        other.log_tail()
+    );
+    assert_eq!(
+        kubectl_ok(&[
+            "get",
+            LEASES,
+            "theirs",
+            "-n",
+            n,
+            "-o",
+            "jsonpath={.spec.holderIdentity}"
+        ]),
+        "",
+        "the neighbour's lease got a holder"
+    );
+    drop((own, other));
     check(n, &worker, &["mine", "mine-too"], &["theirs", "recipes"]).await;
     check(n, &neighbour, &["theirs"], &["mine", "mine-too", "recipes"]).await;
     check(n, &cook, &["recipes"], &["mine", "theirs"]).await;
