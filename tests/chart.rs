@@ -13,7 +13,10 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::helm::{chart, chart_dir, helm, helm_ok, objects_of_release, Release};
+use common::helm::{
+    chart, chart_dir, denied, eventually_allowed, extra_writes, helm, helm_ok, objects_of_release,
+    Release,
+};
 use common::{client, ensure_crd, kubectl, TestNamespace};
 use serde_json::Value;
 
@@ -35,6 +38,46 @@ fn find<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| kind_of(d) == kind).collect()
 }
 
+/// The object of a kind with a name.
+fn named<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| kind_of(d) == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} named {name} rendered"))
+}
+
+/// The rules of a (Cluster)Role as sorted "verb group/resource[/name]" lines, for exact
+/// comparison.
+fn grants(role: &Value) -> Vec<String> {
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|s| s.as_str().expect("string").to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        let names = strings(&rule["resourceNames"]);
+        for group in strings(&rule["apiGroups"]) {
+            for resource in strings(&rule["resources"]) {
+                for verb in strings(&rule["verbs"]) {
+                    if names.is_empty() {
+                        out.push(format!("{verb} {group}/{resource}"));
+                    }
+                    for name in &names {
+                        out.push(format!("{verb} {group}/{resource}/{name}"));
+                    }
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
 fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     let found = find(docs, kind);
     assert_eq!(
@@ -46,7 +89,7 @@ fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     found[0]
 }
 
-/// The arguments of a container of the Deployment.
+/// The arguments of a container of a Deployment.
 fn container_args(deploy: &Value, container: &str) -> Vec<String> {
     deploy["spec"]["template"]["spec"]["containers"]
         .as_array()
@@ -192,11 +235,50 @@ fn rendered_objects_follow_the_design() {
         "policy/v1/PodDisruptionBudget",
     ]));
 
-    // Two containers, the flags the binary takes, the hardening.
-    let deploy = one(&docs, "Deployment");
-    assert_eq!(deploy["spec"]["replicas"], 2);
-    let pod = &deploy["spec"]["template"]["spec"];
-    let controller = container_args(deploy, "controller");
+    // Two Deployments of one container each, under two ServiceAccounts: the controller (write
+    // rights) and the network-facing webhook (read only). The flags the binary takes, the
+    // hardening.
+    assert_eq!(find(&docs, "Deployment").len(), 2);
+    let controller_deploy = named(&docs, "Deployment", "design-fencedlease-controller");
+    let webhook_deploy = named(&docs, "Deployment", "design-fencedlease-webhook");
+    let controller_pod = &controller_deploy["spec"]["template"]["spec"];
+    let webhook_pod = &webhook_deploy["spec"]["template"]["spec"];
+    assert_eq!(controller_pod["serviceAccountName"], "design-fencedlease");
+    assert_eq!(
+        webhook_pod["serviceAccountName"],
+        "design-fencedlease-webhook"
+    );
+    for (deploy, component) in [
+        (controller_deploy, "controller"),
+        (webhook_deploy, "webhook"),
+    ] {
+        assert_eq!(deploy["spec"]["replicas"], 2);
+        let selector = &deploy["spec"]["selector"]["matchLabels"];
+        assert_eq!(
+            selector,
+            &serde_json::json!({
+                "app.kubernetes.io/name": "fencedlease",
+                "app.kubernetes.io/instance": "design",
+                "app.kubernetes.io/component": component,
+            })
+        );
+        let labels = &deploy["spec"]["template"]["metadata"]["labels"];
+        assert_eq!(labels["app.kubernetes.io/component"], component);
+        assert_eq!(labels["fencedlease.io/inject"], "false");
+        let containers = deploy["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .expect("containers");
+        assert_eq!(containers.len(), 1, "{component}: one container");
+        assert_eq!(containers[0]["name"], component);
+        let pod = &deploy["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+                [0]["podAffinityTerm"]["labelSelector"]["matchLabels"],
+            *selector,
+            "{component}: anti-affinity among its own pods"
+        );
+    }
+    let controller = container_args(controller_deploy, "controller");
     for flag in [
         "controller",
         "--metrics-addr",
@@ -217,7 +299,7 @@ fn rendered_objects_follow_the_design() {
             "controller args lack {flag}: {controller:?}"
         );
     }
-    let webhook = container_args(deploy, "webhook");
+    let webhook = container_args(webhook_deploy, "webhook");
     assert_eq!(
         webhook,
         [
@@ -236,7 +318,8 @@ fn rendered_objects_follow_the_design() {
             "Never"
         ]
     );
-    for c in pod["containers"].as_array().expect("containers") {
+    for pod in [controller_pod, webhook_pod] {
+        let c = &pod["containers"][0];
         let sc = &c["securityContext"];
         assert_eq!(c["image"], "fencedlease:0.1.0");
         assert_eq!(c["imagePullPolicy"], "Never");
@@ -246,6 +329,7 @@ fn rendered_objects_follow_the_design() {
         assert_eq!(sc["allowPrivilegeEscalation"], false);
         assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
         assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
         assert!(c["livenessProbe"]["httpGet"]["path"] == "/livez");
         assert!(c["readinessProbe"]["httpGet"]["path"] == "/readyz");
         assert!(c["resources"]["limits"].is_object() && c["resources"]["requests"].is_object());
@@ -259,16 +343,110 @@ fn rendered_objects_follow_the_design() {
             env.contains(&"POD_NAME") && env.contains(&"POD_NAMESPACE"),
             "{env:?}"
         );
+        assert_eq!(
+            pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+                [0]["podAffinityTerm"]["topologyKey"],
+            "kubernetes.io/hostname"
+        );
     }
+    // The webhook mounts the certificate (the kubelet reads the Secret, not its ServiceAccount);
+    // the controller, which writes it, mounts nothing.
     assert_eq!(
-        pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
-            ["podAffinityTerm"]["topologyKey"],
-        "kubernetes.io/hostname"
+        webhook_pod["volumes"],
+        serde_json::json!([{"name": "certs", "secret": {
+            "secretName": "design-fencedlease-tls", "optional": true, "defaultMode": 288}}])
+    );
+    assert!(controller_pod.get("volumes").is_none(), "{controller_pod}");
+
+    // The Service the API server calls selects the webhook pods, and only them; the controller's
+    // metrics have a Service of their own.
+    let svc = named(&docs, "Service", "design-fencedlease");
+    assert_eq!(
+        svc["spec"]["selector"],
+        webhook_deploy["spec"]["selector"]["matchLabels"]
+    );
+    let ports: Vec<(&str, &str)> = svc["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                p["targetPort"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ports,
+        [("https", "webhook"), ("webhook-metrics", "webhook-metrics")]
+    );
+    assert_eq!(svc["spec"]["ports"][0]["port"], 443);
+    let metrics_svc = named(&docs, "Service", "design-fencedlease-controller");
+    assert_eq!(
+        metrics_svc["spec"]["selector"],
+        controller_deploy["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(metrics_svc["spec"]["ports"][0]["targetPort"], "metrics");
+
+    // Rights: the controller keeps its own; the webhook may only read, and its ServiceAccount
+    // is bound to nothing else.
+    let sas: Vec<&str> = find(&docs, "ServiceAccount")
+        .iter()
+        .map(|d| d["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(sas, ["design-fencedlease", "design-fencedlease-webhook"]);
+    assert_eq!(
+        grants(named(&docs, "ClusterRole", "design-fencedlease-webhook")),
+        [
+            "get /namespaces",
+            "get apps/deployments",
+            "get apps/statefulsets",
+            "get fencedlease.io/fencedleases",
+            "list /namespaces",
+            "list fencedlease.io/fencedleases",
+            "watch /namespaces",
+            "watch fencedlease.io/fencedleases",
+        ],
+        "the webhook's rights: read only, and no get on Secrets or ConfigMaps (no /scale)"
+    );
+    let bound_to = |sa: &str| -> Vec<String> {
+        docs.iter()
+            .filter(|d| kind_of(d).ends_with("RoleBinding"))
+            .filter(|d| {
+                d["subjects"]
+                    .as_array()
+                    .expect("subjects")
+                    .iter()
+                    .any(|s| s["kind"] == "ServiceAccount" && s["name"] == sa)
+            })
+            .map(|d| {
+                format!(
+                    "{}/{}",
+                    d["roleRef"]["kind"].as_str().unwrap(),
+                    d["roleRef"]["name"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        bound_to("design-fencedlease-webhook"),
+        ["ClusterRole/design-fencedlease-webhook"]
     );
     assert_eq!(
-        pod["volumes"][0]["secret"]["secretName"],
-        "design-fencedlease-tls"
+        bound_to("design-fencedlease"),
+        ["ClusterRole/design-fencedlease", "Role/design-fencedlease"]
     );
+    let controller_grants = grants(named(&docs, "ClusterRole", "design-fencedlease"));
+    for needed in [
+        "update fencedlease.io/fencedleases/status",
+        "patch /pods",
+        "patch admissionregistration.k8s.io/validatingwebhookconfigurations/design-fencedlease-fencing",
+    ] {
+        assert!(
+            controller_grants.iter().any(|g| g == needed),
+            "the controller lost {needed}: {controller_grants:?}"
+        );
+    }
 
     // The fencing webhook.
     let vwc = one(&docs, "ValidatingWebhookConfiguration");
@@ -331,11 +509,17 @@ fn rendered_objects_follow_the_design() {
         "caBundle must not be rendered"
     );
 
-    let pdb = one(&docs, "PodDisruptionBudget");
-    assert_eq!(pdb["apiVersion"], "policy/v1");
-    assert_eq!(pdb["spec"]["minAvailable"], 1);
-    let svc = one(&docs, "Service");
-    assert_eq!(svc["spec"]["ports"][0]["port"], 443);
+    // One budget per Deployment: one over all pods would let a drain evict every webhook pod.
+    for deploy in [controller_deploy, webhook_deploy] {
+        let name = deploy["metadata"]["name"].as_str().unwrap();
+        let pdb = named(&docs, "PodDisruptionBudget", name);
+        assert_eq!(pdb["apiVersion"], "policy/v1");
+        assert_eq!(pdb["spec"]["minAvailable"], 1);
+        assert_eq!(
+            pdb["spec"]["selector"]["matchLabels"],
+            deploy["spec"]["selector"]["matchLabels"]
+        );
+    }
     assert!(find(&docs, "ServiceMonitor").is_empty() && find(&docs, "NetworkPolicy").is_empty());
 
     // Custom resources can be fenced; injection can be switched off.
@@ -354,13 +538,93 @@ fn rendered_objects_follow_the_design() {
         serde_json::json!(["example.com"])
     );
     assert!(find(&docs, "MutatingWebhookConfiguration").is_empty());
-    let args = container_args(one(&docs, "Deployment"), "controller");
+    assert!(
+        grants(named(&docs, "ClusterRole", "design-fencedlease-webhook"))
+            .contains(&"get example.com/widgets".to_string()),
+        "the webhook reads fenced custom resources (their /scale)"
+    );
+    let args = container_args(
+        named(&docs, "Deployment", "design-fencedlease-controller"),
+        "controller",
+    );
     assert!(
         args.iter().any(|a| a == "design-fencedlease-fencing"),
         "{args:?}"
     );
     // No PodDisruptionBudget without policy/v1.
     assert!(find(&docs, "PodDisruptionBudget").is_empty());
+
+    // Replicas per Deployment, a budget only where there is more than one; an existing
+    // ServiceAccount for the webhook; per-lease Roles for workloads.
+    let docs = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--api-versions",
+        "policy/v1/PodDisruptionBudget",
+        "--set",
+        "controller.replicas=1,webhook.replicas=3",
+        "--set",
+        "webhook.serviceAccount.create=false,webhook.serviceAccount.name=hook",
+        "--set-json",
+        r#"workloads=[{"namespace":"shop","serviceAccount":"inventory","leases":["inventory","stock"]}]"#,
+    ]));
+    assert_eq!(
+        named(&docs, "Deployment", "design-fencedlease-controller")["spec"]["replicas"],
+        1
+    );
+    let webhook_deploy = named(&docs, "Deployment", "design-fencedlease-webhook");
+    assert_eq!(webhook_deploy["spec"]["replicas"], 3);
+    assert_eq!(
+        webhook_deploy["spec"]["template"]["spec"]["serviceAccountName"],
+        "hook"
+    );
+    let pdbs: Vec<&str> = find(&docs, "PodDisruptionBudget")
+        .iter()
+        .map(|d| d["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(pdbs, ["design-fencedlease-webhook"]);
+    let sas: Vec<&str> = find(&docs, "ServiceAccount")
+        .iter()
+        .map(|d| d["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sas,
+        ["design-fencedlease"],
+        "no webhook ServiceAccount is created"
+    );
+    assert_eq!(
+        named(&docs, "ClusterRoleBinding", "design-fencedlease-webhook")["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": "hook", "namespace": "default"}])
+    );
+    let role = named(&docs, "Role", "design-fencedlease-inventory");
+    assert_eq!(role["metadata"]["namespace"], "shop");
+    assert_eq!(
+        grants(role),
+        [
+            "get fencedlease.io/fencedleases/inventory",
+            "get fencedlease.io/fencedleases/stock",
+            "list fencedlease.io/fencedleases/inventory",
+            "list fencedlease.io/fencedleases/stock",
+            "update fencedlease.io/fencedleases/inventory",
+            "update fencedlease.io/fencedleases/status/inventory",
+            "update fencedlease.io/fencedleases/status/stock",
+            "update fencedlease.io/fencedleases/stock",
+            "watch fencedlease.io/fencedleases/inventory",
+            "watch fencedlease.io/fencedleases/stock",
+        ]
+    );
+    let binding = named(&docs, "RoleBinding", "design-fencedlease-inventory");
+    assert_eq!(binding["metadata"]["namespace"], "shop");
+    assert_eq!(
+        binding["roleRef"],
+        serde_json::json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+            "name": "design-fencedlease-inventory"})
+    );
+    assert_eq!(
+        binding["subjects"],
+        serde_json::json!([{"kind": "ServiceAccount", "name": "inventory", "namespace": "shop"}])
+    );
 
     // cert-manager mode: Issuer + Certificate, CA injection, no --webhook-* flags, no Secret RBAC.
     let docs = documents(&helm_ok(&[
@@ -393,7 +657,10 @@ fn rendered_objects_follow_the_design() {
             "ops/design-fencedlease-serving"
         );
     }
-    let args = container_args(one(&docs, "Deployment"), "controller");
+    let args = container_args(
+        named(&docs, "Deployment", "design-fencedlease-controller"),
+        "controller",
+    );
     assert!(
         !args.iter().any(|a| a.starts_with("--webhook-")),
         "{args:?}"
@@ -417,7 +684,7 @@ fn rendered_objects_follow_the_design() {
 #[test]
 fn wrong_values_fail_with_a_schema_error() {
     let c = chart();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["--set", "replicas=two"], "/replicas"),
         (&["--set", "replicas=0"], "/replicas"),
         (
@@ -440,6 +707,32 @@ fn wrong_values_fail_with_a_schema_error() {
                 r#"fencing.resources=[{"group":"*","resource":"*"}]"#,
             ],
             "/fencing/resources/0/group",
+        ),
+        (&["--set", "webhook.replicas=0"], "/webhook/replicas"),
+        (
+            &["--set", "webhook.serviceAccount.create=maybe"],
+            "/webhook/serviceAccount/create",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":[]}]"#,
+            ],
+            "/workloads/0/leases",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"Shop","serviceAccount":"a","leases":["x"]}]"#,
+            ],
+            "/workloads/0/namespace",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","leases":["x"]}]"#,
+            ],
+            "/workloads/0",
         ),
     ];
     for (extra, path) in cases {
@@ -469,6 +762,30 @@ fn wrong_values_fail_with_a_schema_error() {
         r#"fencing.resources=[{"group":"fencedlease.io","resource":"fencedleases"}]"#,
     ]);
     assert!(!ok && err.contains("fencedlease.io"), "{err}");
+    // The webhook may not run as the controller (it would hold its write rights), and a
+    // workload's ServiceAccount gets one entry (template checks with their own messages).
+    for (extra, expected) in [
+        (
+            ["--set", "webhook.serviceAccount.name=bad-fencedlease"],
+            "identity of its own",
+        ),
+        (
+            [
+                "--set-json",
+                r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":["x"]},{"namespace":"shop","serviceAccount":"a","leases":["y"]}]"#,
+            ],
+            "shop/a is listed twice",
+        ),
+    ] {
+        let mut args = vec!["template", "bad", &c];
+        args.extend(extra);
+        let (ok, _, err) = helm(&args);
+        assert!(
+            !ok && err.contains(expected),
+            "helm {}: {err}",
+            args.join(" ")
+        );
+    }
     // The control: good values pass.
     helm_ok(&[
         "template",
@@ -476,6 +793,10 @@ fn wrong_values_fail_with_a_schema_error() {
         &c,
         "--set",
         "replicas=3,image.pullPolicy=IfNotPresent",
+        "--set",
+        "controller.replicas=1,webhook.replicas=2,webhook.serviceAccount.name=hook",
+        "--set-json",
+        r#"workloads=[{"namespace":"shop","serviceAccount":"a","leases":["x","y.z"]}]"#,
     ]);
 }
 
@@ -608,6 +929,7 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
     let ns = TestNamespace::new(&client, "chart-install").await;
     let mut release = Release::new(&ns, "fli");
     let full = release.fullname();
+    let (controller, webhook) = (release.controller(), release.webhook());
     let (vwc, mwc) = (release.validating(), release.mutating());
 
     // No --wait: the test cluster has no node, so the pods are never started.
@@ -618,13 +940,18 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
     );
 
     for (kind, name, namespaced) in [
-        ("deployment", full.as_str(), true),
+        ("deployment", controller.as_str(), true),
+        ("deployment", webhook.as_str(), true),
         ("service", full.as_str(), true),
+        ("service", controller.as_str(), true),
         ("serviceaccount", full.as_str(), true),
+        ("serviceaccount", webhook.as_str(), true),
         ("role", full.as_str(), true),
         ("rolebinding", full.as_str(), true),
         ("clusterrole", full.as_str(), false),
         ("clusterrolebinding", full.as_str(), false),
+        ("clusterrole", webhook.as_str(), false),
+        ("clusterrolebinding", webhook.as_str(), false),
         ("clusterrole", release.sidecar_role().as_str(), false),
         ("validatingwebhookconfiguration", vwc.as_str(), false),
         ("mutatingwebhookconfiguration", mwc.as_str(), false),
@@ -677,13 +1004,16 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
             "replicas=3,fencing.timeoutSeconds=7,injection.timeoutSeconds=9",
         ],
     );
-    assert_eq!(
-        jsonpath(
-            &["get", "deployment", &full, "-n", &ns.name],
-            "{.spec.replicas}"
-        ),
-        "3"
-    );
+    for deployment in [&controller, &webhook] {
+        assert_eq!(
+            jsonpath(
+                &["get", "deployment", deployment, "-n", &ns.name],
+                "{.spec.replicas}"
+            ),
+            "3",
+            "replicas of {deployment}"
+        );
+    }
     assert_eq!(
         jsonpath(
             &["get", "validatingwebhookconfiguration", &vwc],
@@ -754,6 +1084,8 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
         ("clusterrole", release.sidecar_role()),
         ("clusterrole", full.clone()),
         ("clusterrolebinding", full.clone()),
+        ("clusterrole", webhook.clone()),
+        ("clusterrolebinding", webhook.clone()),
         ("validatingwebhookconfiguration", vwc.clone()),
         ("mutatingwebhookconfiguration", mwc.clone()),
     ] {
@@ -781,39 +1113,6 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
     assert!(ok, "the CRD must stay after uninstall: {err}");
 }
 
-/// `kubectl auth can-i` as `who`; panics on anything but a plain yes or no.
-fn can_i(who: &str, args: &[&str]) -> bool {
-    let mut all = vec!["auth", "can-i", "--as", who];
-    all.extend_from_slice(args);
-    let (_, out, err) = kubectl(&all);
-    match out.split_whitespace().next() {
-        Some("yes") => true,
-        Some("no") => false,
-        _ => panic!("kubectl {}: no answer:\n{out}\n{err}", all.join(" ")),
-    }
-}
-
-/// Waits (RBAC caches lag a little behind writes) until `who` may do `args`.
-async fn eventually_allowed(who: &str, args: &[&str]) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !can_i(who, args) {
-        assert!(
-            Instant::now() < deadline,
-            "{who} should be allowed to: {}",
-            args.join(" ")
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn denied(who: &str, args: &[&str]) {
-    assert!(
-        !can_i(who, args),
-        "{who} must NOT be allowed to: {}",
-        args.join(" ")
-    );
-}
-
 #[tokio::test]
 async fn rbac_is_enough_and_no_more() {
     let client = client().await;
@@ -825,7 +1124,11 @@ async fn rbac_is_enough_and_no_more() {
     release.run("install", &[]);
 
     let full = release.fullname();
-    let operator = format!("system:serviceaccount:{}:{full}", ns.name);
+    let operator = format!(
+        "system:serviceaccount:{}:{}",
+        ns.name,
+        release.controller_account()
+    );
     let cert_secret = format!("secrets/{full}-tls");
     let vwc = format!(
         "validatingwebhookconfigurations.admissionregistration.k8s.io/{}",
@@ -837,7 +1140,7 @@ async fn rbac_is_enough_and_no_more() {
     );
     let (o, rel) = (other.name.as_str(), ns.name.as_str());
 
-    // The operator: what it needs...
+    // The controller: what it needs...
     eventually_allowed(
         &operator,
         &[
@@ -915,7 +1218,76 @@ async fn rbac_is_enough_and_no_more() {
         denied(&operator, args);
     }
 
-    // A workload's ServiceAccount, bound to the sidecar ClusterRole in its own namespace.
+    // The webhook, under its own ServiceAccount: it reads what it needs (its FencedLease cache,
+    // namespaces' annotations, the objects behind /scale writes)...
+    let webhook = format!("system:serviceaccount:{}:{}", ns.name, release.webhook());
+    for args in [
+        &["get", "fencedleases.fencedlease.io", "-n", o][..],
+        &["list", "fencedleases.fencedlease.io", "-A"],
+        &["watch", "fencedleases.fencedlease.io", "-A"],
+        &["get", &format!("namespaces/{o}")],
+        &["list", "namespaces"],
+        &["watch", "namespaces"],
+        &["get", "deployments.apps", "-n", o],
+        &["get", "statefulsets.apps", "-n", o],
+    ] {
+        eventually_allowed(&webhook, args).await;
+    }
+    // ...and writes nothing: not pods, not FencedLeases, not Secrets, not what it fences.
+    for args in [
+        &["update", "fencedleases.fencedlease.io", "-n", o][..],
+        &["patch", "fencedleases.fencedlease.io", "-A"],
+        &[
+            "update",
+            "fencedleases.fencedlease.io",
+            "--subresource=status",
+            "-n",
+            o,
+        ],
+        &["create", "fencedleases.fencedlease.io", "-n", rel],
+        &["delete", "fencedleases.fencedlease.io", "-n", o],
+        &["patch", "pods", "-n", o],
+        &["create", "pods", "-n", o],
+        &["get", "pods", "-n", o],
+        &["create", "events", "-n", o],
+        &["create", "events.events.k8s.io", "-n", o],
+        &["get", &cert_secret, "-n", rel],
+        &["update", &cert_secret, "-n", rel],
+        &["create", "secrets", "-n", rel],
+        &["get", "secrets", "-n", o],
+        &["list", "secrets", "-A"],
+        &["get", "configmaps", "-n", o],
+        &["update", "configmaps", "-n", o],
+        &["update", "deployments.apps", "-n", o],
+        &["patch", "deployments.apps", "--subresource=scale", "-n", o],
+        &["list", "deployments.apps", "-A"],
+        &["update", "statefulsets.apps", "-n", o],
+        &["update", &format!("namespaces/{o}")],
+        &["patch", "namespaces"],
+        &["patch", &vwc],
+        &["patch", &mwc],
+        &["get", &format!("services/{full}"), "-n", rel],
+        &["create", "rolebindings.rbac.authorization.k8s.io", "-n", o],
+    ] {
+        denied(&webhook, args);
+    }
+    // And nothing beyond what any authenticated identity may write, in either namespace.
+    for namespace in [o, rel] {
+        let extra = extra_writes(&webhook, namespace);
+        assert!(
+            extra.is_empty(),
+            "the webhook may write, in {namespace}: {extra:?}"
+        );
+    }
+    // The control: the same listing shows the controller's writes.
+    let extra = extra_writes(&operator, rel);
+    assert!(
+        extra.contains("patch pods") && extra.contains("update fencedleases.fencedlease.io/status"),
+        "the controller's writes are not listed: {extra:?}"
+    );
+
+    // A workload's ServiceAccount, bound to the BROAD sidecar ClusterRole in its own namespace:
+    // any lease there (tests/lease_rights.rs shows the per-lease Roles).
     let (ok, _, err) = kubectl(&["create", "serviceaccount", "worker", "-n", &app.name]);
     assert!(ok, "creating the worker ServiceAccount: {err}");
     let (ok, _, err) = kubectl(&[
@@ -942,6 +1314,12 @@ async fn rbac_is_enough_and_no_more() {
         &["get", "fencedleases.fencedlease.io", "-n", a],
         &["list", "fencedleases.fencedlease.io", "-n", a],
         &["watch", "fencedleases.fencedlease.io", "-n", a],
+        &[
+            "update",
+            "fencedleases.fencedlease.io/someone-elses",
+            "-n",
+            a,
+        ],
     ] {
         eventually_allowed(&worker, args).await;
     }

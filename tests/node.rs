@@ -324,7 +324,7 @@ async fn opt_in_to_injection(client: &Client, ns: &str) {
         .unwrap_or_else(|e| panic!("labelling namespace {ns} for injection: {e}"));
 }
 
-/// The last log lines of both containers of every operator pod (for failure messages).
+/// The last log lines of every container of every operator pod (for failure messages).
 async fn operator_logs(client: &Client, release: &Release) -> String {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &release.namespace);
     let list = pods
@@ -334,11 +334,11 @@ async fn operator_logs(client: &Client, release: &Release) -> String {
         .unwrap_or_default();
     list.iter()
         .flat_map(|p| {
-            ["controller", "webhook"].map(|c| {
+            container_names(p).into_iter().map(move |c| {
                 format!(
                     "--- {} {c}:\n{}",
                     name_of(p),
-                    log_tail(&release.namespace, p, c, 6)
+                    log_tail(&release.namespace, p, &c, 6)
                 )
             })
         })
@@ -346,32 +346,49 @@ async fn operator_logs(client: &Client, release: &Release) -> String {
         .join("\n")
 }
 
-/// Waits until `replicas` operator pods run with both containers Ready; returns them.
+/// The operator's two components, each a Deployment of its own.
+const COMPONENTS: [&str; 2] = ["controller", "webhook"];
+
+/// Waits until `replicas` pods of each operator component (controller and webhook) run Ready;
+/// returns them all.
 async fn wait_operator_ready(client: &Client, release: &Release, replicas: usize) -> Vec<Pod> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &release.namespace);
-    let lp = ListParams::default().labels(&release.pod_selector());
     let timeout = Duration::from_secs(150);
     let found = try_poll(timeout, || async {
-        let list = pods.list(&lp).await.map_err(|e| e.to_string())?.items;
-        list.iter().for_each(fail_fast_on_waiting);
-        let live: Vec<Pod> = list.into_iter().filter(is_running).collect();
-        let ready = live.iter().filter(|p| all_containers_ready(p)).count();
-        if live.len() == replicas && ready == replicas {
-            Ok(live)
-        } else {
-            Err(describe(&live))
+        let mut all = Vec::new();
+        for component in COMPONENTS {
+            let lp = ListParams::default().labels(&release.component_selector(component));
+            let list = pods.list(&lp).await.map_err(|e| e.to_string())?.items;
+            list.iter().for_each(fail_fast_on_waiting);
+            let live: Vec<Pod> = list.into_iter().filter(is_running).collect();
+            let ready = live.iter().filter(|p| all_containers_ready(p)).count();
+            if live.len() != replicas || ready != replicas {
+                return Err(format!("{component}: {}", describe(&live)));
+            }
+            all.extend(live);
         }
+        Ok(all)
     })
     .await;
     match found {
         Ok(pods) => pods,
         Err(last) => panic!(
-            "timed out after {timeout:?} waiting for {replicas} operator pods of release {} \
-             Running with both containers Ready\nlast state: {last}\n{}",
+            "timed out after {timeout:?} waiting for {replicas} controller and {replicas} webhook \
+             pods of release {} Running and Ready\nlast state: {last}\n{}",
             release.name,
             operator_logs(client, release).await
         ),
     }
+}
+
+/// The operator component a pod belongs to ("controller" or "webhook").
+fn component_of(p: &Pod) -> String {
+    p.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get("app.kubernetes.io/component"))
+        .cloned()
+        .unwrap_or_default()
 }
 
 /// Waits until the active controller has issued the certificate Secret and written its CA into
@@ -1207,18 +1224,31 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
     let mut release = Release::install_on_node(&ns, "flh", &[]);
     let full = release.fullname();
 
-    // The chart's default two operator pods run, both containers Ready.
+    // The chart's default two pods of each component run Ready, one container each (the
+    // webhook apart from the controller, under its own read-only ServiceAccount).
     let operators = wait_operator_ready(&client, &release, 2).await;
-    phase("both operator pods Ready");
-    let operator_names: BTreeSet<String> = operators.iter().map(name_of).collect();
+    phase("two controller and two webhook pods Ready");
     for p in &operators {
+        let component = component_of(p);
         assert_eq!(
             container_names(p),
-            ["controller", "webhook"],
+            [component.as_str()],
             "operator pod {}",
             name_of(p)
         );
+        let account = p.spec.as_ref().and_then(|s| s.service_account_name.clone());
+        let expected = if component == "webhook" {
+            release.webhook()
+        } else {
+            release.controller_account()
+        };
+        assert_eq!(account, Some(expected), "ServiceAccount of {}", name_of(p));
     }
+    let operator_names: BTreeSet<String> = operators
+        .iter()
+        .filter(|p| component_of(p) == "controller")
+        .map(name_of)
+        .collect();
 
     // One controller is active: it holds the election lease ...
     let leases: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);

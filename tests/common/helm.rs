@@ -1,9 +1,12 @@
-//! helm for the chart tests (tests/chart.rs) and the node tests (tests/node.rs): the binary from
-//! `hack/helm.sh`, and a release of the chart that keeps to its test's namespace.
+//! helm for the chart tests (tests/chart.rs, tests/lease_rights.rs) and the node tests
+//! (tests/node.rs): the binary from `hack/helm.sh`, a release of the chart that keeps to its
+//! test's namespace, and checks of the rights it grants by impersonation.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use super::{kubectl, TestNamespace};
 
@@ -92,6 +95,21 @@ impl Release {
         format!("{}-fencedlease", self.name)
     }
 
+    /// The controller's Deployment (and its metrics Service).
+    pub fn controller(&self) -> String {
+        format!("{}-controller", self.fullname())
+    }
+
+    /// The webhook's Deployment, ServiceAccount, ClusterRole and ClusterRoleBinding.
+    pub fn webhook(&self) -> String {
+        format!("{}-webhook", self.fullname())
+    }
+
+    /// The controller's ServiceAccount (and its ClusterRole, Role and bindings).
+    pub fn controller_account(&self) -> String {
+        self.fullname()
+    }
+
     pub fn sidecar_role(&self) -> String {
         format!("{}-sidecar", self.name)
     }
@@ -112,8 +130,17 @@ impl Release {
         format!("{}-controller", self.fullname())
     }
 
+    /// Every operator pod of the release, controller and webhook.
     pub fn pod_selector(&self) -> String {
         format!("app.kubernetes.io/instance={}", self.name)
+    }
+
+    /// The pods of one component, "controller" or "webhook".
+    pub fn component_selector(&self, component: &str) -> String {
+        format!(
+            "app.kubernetes.io/instance={},app.kubernetes.io/component={component}",
+            self.name
+        )
     }
 
     /// The values that keep this release to its own namespace and names.
@@ -204,4 +231,135 @@ pub fn objects_of_release(release: &str) -> Vec<(String, bool)> {
             },
         )
         .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rights, by impersonation (`kubectl auth can-i --as`)
+
+/// `kubectl auth can-i` as `who`; panics on anything but a plain yes or no.
+pub fn can_i(who: &str, args: &[&str]) -> bool {
+    let mut all = vec!["auth", "can-i", "--as", who];
+    all.extend_from_slice(args);
+    let (_, out, err) = kubectl(&all);
+    match out.split_whitespace().next() {
+        Some("yes") => true,
+        Some("no") => false,
+        _ => panic!("kubectl {}: no answer:\n{out}\n{err}", all.join(" ")),
+    }
+}
+
+/// Waits (RBAC caches lag a little behind writes) until `who` may do `args`.
+pub async fn eventually_allowed(who: &str, args: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !can_i(who, args) {
+        assert!(
+            Instant::now() < deadline,
+            "{who} should be allowed to: {}",
+            args.join(" ")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub fn denied(who: &str, args: &[&str]) {
+    assert!(
+        !can_i(who, args),
+        "{who} must NOT be allowed to: {}",
+        args.join(" ")
+    );
+}
+
+/// Verbs that change nothing.
+const READ_VERBS: [&str; 3] = ["get", "list", "watch"];
+
+/// What `who` may do in `namespace` beyond reading (cluster-wide grants included), from
+/// `kubectl auth can-i --list`, as "verb resource[/name]" and "verb URL".
+pub fn writes(who: &str, namespace: &str) -> BTreeSet<String> {
+    let args = ["auth", "can-i", "--list", "--as", who, "-n", namespace];
+    let (ok, out, err) = kubectl(&args);
+    assert!(ok, "kubectl {}: {err}", args.join(" "));
+    let mut found = BTreeSet::new();
+    // Rows: RESOURCE [URLS] [NAMES] [VERBS]; RESOURCE is blank on non-resource rows.
+    for line in out.lines().skip(1) {
+        let Some(first) = line.find('[') else {
+            continue;
+        };
+        let resource = line[..first].trim();
+        let groups: Vec<Vec<&str>> = line[first..]
+            .split(']')
+            .filter_map(|g| g.trim().strip_prefix('['))
+            .map(|g| g.split_whitespace().collect())
+            .collect();
+        let [urls, names, verbs] = groups.as_slice() else {
+            panic!("unexpected `kubectl auth can-i --list` row: {line:?}\n{out}");
+        };
+        for verb in verbs.iter().filter(|v| !READ_VERBS.contains(v)) {
+            for url in urls {
+                found.insert(format!("{verb} {url}"));
+            }
+            if !resource.is_empty() {
+                if names.is_empty() {
+                    found.insert(format!("{verb} {resource}"));
+                }
+                for name in names {
+                    found.insert(format!("{verb} {resource}/{name}"));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// What `who` may write in `namespace` that an identity bound to nothing may not.
+pub fn extra_writes(who: &str, namespace: &str) -> BTreeSet<String> {
+    let nobody = format!("system:serviceaccount:{namespace}:bound-to-nothing");
+    let everyone = writes(&nobody, namespace);
+    writes(who, namespace)
+        .difference(&everyone)
+        .cloned()
+        .collect()
+}
+
+/// A copy of the test kubeconfig whose users act as `who` (kubeconfig `as:`, the same
+/// impersonation as `kubectl --as`), written into `dir`: a real `fencedlease` process started
+/// with it has exactly `who`'s rights.
+pub fn kubeconfig_as(who: &str, dir: &Path) -> PathBuf {
+    let source = super::kubeconfig_path();
+    let text = std::fs::read_to_string(&source)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", source.display()));
+    let mut config: serde_json::Value =
+        serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", source.display()));
+    let users = config["users"]
+        .as_array_mut()
+        .unwrap_or_else(|| panic!("{} has no users", source.display()));
+    for user in users {
+        user["user"]["as"] = serde_json::json!(who);
+    }
+    let path = dir.join(format!("kubeconfig-as-{:08x}", super::rand_u32()));
+    std::fs::write(&path, serde_yaml_ng::to_string(&config).expect("yaml"))
+        .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    path
+}
+
+/// `fencedlease ARGS` as a separate process acting as `who` (see `kubeconfig_as`); its output
+/// goes to `dir/NAME.log`. Killed when dropped.
+pub fn spawn_as(who: &str, name: &str, dir: &Path, args: &[&str]) -> super::procs::Proc {
+    let kubeconfig = kubeconfig_as(who, dir);
+    let log = dir.join(format!("{name}.log"));
+    let logf = std::fs::File::create(&log).expect("create log");
+    let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+        .args(args)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info,kube=warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(logf.try_clone().expect("dup log"))
+        .stderr(logf)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+    super::procs::Proc {
+        name: name.to_string(),
+        child,
+        events: dir.join(format!("{name}.events")),
+        log,
+    }
 }

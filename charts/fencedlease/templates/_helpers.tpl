@@ -45,6 +45,53 @@ helm.sh/chart: {{ include "fencedlease.chart" . }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The operator runs as two Deployments with a ServiceAccount each: the controller (elected, writes
+FencedLeases, pod labels, the certificate) and the network-facing webhook (reads only). A pod
+has one ServiceAccount, so the two could not be given different rights in one pod.
+Pods of one component: (dict "root" $ "component" "controller"|"webhook").
+*/}}
+{{- define "fencedlease.componentSelectorLabels" -}}
+{{ include "fencedlease.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "fencedlease.controllerName" -}}
+{{- printf "%s-controller" (include "fencedlease.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fencedlease.webhookName" -}}
+{{- printf "%s-webhook" (include "fencedlease.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Pods of each Deployment: its own value, else the shared `replicas`. */}}
+{{- define "fencedlease.controllerReplicas" -}}
+{{- default .Values.replicas .Values.controller.replicas -}}
+{{- end -}}
+
+{{- define "fencedlease.webhookReplicas" -}}
+{{- default .Values.replicas .Values.webhook.replicas -}}
+{{- end -}}
+
+{{/* Whether the chart creates the webhook's ServiceAccount (webhook.serviceAccount.create, default true). */}}
+{{- define "fencedlease.webhookServiceAccountCreate" -}}
+{{- if dig "serviceAccount" "create" true .Values.webhook -}}true{{- end -}}
+{{- end -}}
+
+{{- define "fencedlease.webhookServiceAccountName" -}}
+{{- $name := dig "serviceAccount" "name" "" .Values.webhook -}}
+{{- if include "fencedlease.webhookServiceAccountCreate" . -}}
+{{- default (include "fencedlease.webhookName" .) $name -}}
+{{- else -}}
+{{- required "webhook.serviceAccount.name must name an existing ServiceAccount when webhook.serviceAccount.create is false" $name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Role and RoleBinding of one entry of `workloads`: (dict "root" $ "serviceAccount" NAME). */}}
+{{- define "fencedlease.workloadRoleName" -}}
+{{- printf "%s-%s" (include "fencedlease.fullname" .root) .serviceAccount -}}
+{{- end -}}
+
 {{/* The webhook Service; the serving certificate is for its DNS names. */}}
 {{- define "fencedlease.serviceName" -}}
 {{- include "fencedlease.fullname" . -}}
@@ -99,6 +146,22 @@ helm.sh/chart: {{ include "fencedlease.chart" . }}
 {{- fail (printf "fencing.resources: group %q is not allowed: the webhook must never be on the path of FencedLease writes (renewals)" .group) -}}
 {{- end -}}
 {{- end -}}
+{{- if eq (include "fencedlease.webhookServiceAccountName" .) (include "fencedlease.serviceAccountName" .) -}}
+{{- fail (printf "webhook.serviceAccount.name %q is the controller's ServiceAccount: the network-facing webhook must have an identity of its own, without the controller's write rights; choose another name (or leave it empty)" (include "fencedlease.webhookServiceAccountName" .)) -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- range $i, $w := (.Values.workloads | default list) -}}
+{{- $ns := required (printf "workloads[%d].namespace is required: the namespace of the workload's pods" $i) $w.namespace -}}
+{{- $sa := required (printf "workloads[%d].serviceAccount is required: the ServiceAccount of the workload's pods" $i) $w.serviceAccount -}}
+{{- if not $w.leases -}}
+{{- fail (printf "workloads[%d].leases is empty: list the FencedLeases (names, in namespace %s) that %s campaigns for" $i $ns $sa) -}}
+{{- end -}}
+{{- $key := printf "%s/%s" $ns $sa -}}
+{{- if hasKey $seen $key -}}
+{{- fail (printf "workloads: %s is listed twice: give each ServiceAccount one entry and list all its leases there" $key) -}}
+{{- end -}}
+{{- $_ := set $seen $key true -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Environment of both containers: the downward API gives identity and namespace. */}}
@@ -126,4 +189,81 @@ capabilities:
   drop: ["ALL"]
 seccompProfile:
   type: RuntimeDefault
+{{- end -}}
+
+{{/* Pod template metadata of one component: (dict "root" $ "component" "controller"|"webhook"). */}}
+{{- define "fencedlease.podMetadata" -}}
+labels:
+  {{- include "fencedlease.labels" .root | nindent 2 }}
+  app.kubernetes.io/component: {{ .component }}
+  {{- with .root.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  # The operator's own pods never get the sidecar.
+  fencedlease.io/inject: "false"
+{{- with .root.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod spec settings both Deployments share: (dict "root" $ "component" ...). */}}
+{{- define "fencedlease.podSpecCommon" -}}
+{{- $v := .root.Values -}}
+automountServiceAccountToken: true
+enableServiceLinks: false
+{{- with $v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $v.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  runAsGroup: 65532
+  fsGroup: 65532
+  seccompProfile:
+    type: RuntimeDefault
+{{- with $v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+affinity:
+  {{- if $v.affinity }}
+  {{- toYaml $v.affinity | nindent 2 }}
+  {{- else }}
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "fencedlease.componentSelectorLabels" . | nindent 14 }}
+  {{- end }}
+{{- end -}}
+
+{{/* Probes on a named metrics port. */}}
+{{- define "fencedlease.probes" -}}
+livenessProbe:
+  httpGet:
+    path: /livez
+    port: {{ . }}
+  initialDelaySeconds: 5
+  periodSeconds: 10
+  timeoutSeconds: 2
+  failureThreshold: 3
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: {{ . }}
+  periodSeconds: 5
+  timeoutSeconds: 2
+  failureThreshold: 2
 {{- end -}}
