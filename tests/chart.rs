@@ -300,8 +300,18 @@ fn rendered_objects_follow_the_design() {
         );
     }
     let webhook = container_args(webhook_deploy, "webhook");
+    // The chart's default exemptions are the webhook's own defaults, flag by flag.
+    let exempt: Vec<String> = fencedlease::fencing::DEFAULT_EXEMPT_USERS
+        .iter()
+        .map(|u| format!("--exempt-user={u}"))
+        .collect();
     assert_eq!(
-        webhook,
+        webhook[13..],
+        exempt[..],
+        "the chart's fencing.exemptUsers differ from the webhook's DEFAULT_EXEMPT_USERS"
+    );
+    assert_eq!(
+        webhook[..13],
         [
             "webhook",
             "--listen",
