@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod inject;
+pub mod server;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -24,8 +25,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use base64::Engine as _;
 use futures::StreamExt;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
 use kube::core::admission::AdmissionReview;
 use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -355,6 +354,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let mut registry = Registry::default();
     let metrics = WebhookMetrics::register(&mut registry);
+    let server_metrics = server::ServerMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         client,
@@ -394,53 +394,14 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .with_state(shared);
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    info!(addr = %args.listen, "serving admission reviews over HTTPS at /validate");
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls_config);
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (tcp, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                // The API server waits on every answer: no Nagle delay on a reply that goes
-                // out in more than one write (HTTP/2 headers and data frames).
-                if let Err(e) = tcp.set_nodelay(true) {
-                    debug!(%peer, error = %e, "could not set TCP_NODELAY");
-                }
-                let acceptor = acceptor.clone();
-                let app = app.clone();
-                tokio::spawn(async move {
-                    let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
-                        Ok(Ok(t)) => t,
-                        Ok(Err(e)) => {
-                            debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => return,
-                    };
-                    let service = TowerToHyperService::new(app);
-                    if let Err(e) = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), service)
-                        .await
-                    {
-                        debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                });
-            }
-            _ = sigterm.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
-        }
-    }
+    server::serve_until_signalled(
+        args.listen,
+        tls_config,
+        app,
+        server::Limits::default(),
+        server_metrics,
+    )
+    .await?;
     info!("shutting down");
     ready.store(false, Ordering::Relaxed);
     let _ = stop_tx.send(true);

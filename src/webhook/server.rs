@@ -1,0 +1,738 @@
+//! The webhook's HTTPS server: one accept loop that bounds what a client can make the webhook
+//! hold (connections, time, bytes), so that a flood from any pod can neither push it past its
+//! memory limit nor stop it answering the API server.
+//!
+//! - Connections: at most [`Limits::max_connections`] at once and
+//!   [`Limits::max_connections_per_peer`] from one IP address; more are closed at once, unserved.
+//! - Time: a TLS handshake, a request's headers, a request's body, an idle connection and any
+//!   connection at all each have a deadline; at the last two the connection is told to finish
+//!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
+//! - Bytes: the protocol is chosen by ALPN (`h2`, else HTTP/1.1); HTTP/2 streams, header sizes
+//!   and receive windows are capped; and request bodies are read with [`read_body_bounded`],
+//!   which takes every byte it buffers from one budget shared by all requests.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::Router;
+use http_body_util::BodyExt as _;
+use hyper::body::{Body as HttpBody, Incoming};
+use hyper::service::Service as _;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use kube::core::admission::AdmissionReview;
+use kube::core::DynamicObject;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::admission;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+/// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
+pub const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
+/// What the webhook holds with no request at all: runtime, TLS and Kubernetes clients, and the
+/// FencedLease cache (without managedFields). An estimate with room: ~10 MiB with a few leases;
+/// the controller, which caches leases and pods, measured 57.6 MiB with 10,000 leases.
+pub const BASELINE_BYTES: usize = 40 * MIB;
+/// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
+pub const HEADROOM_BYTES: usize = 16 * MIB;
+/// rustls state per connection, at most: the handshake message being reassembled (64 KiB),
+/// decrypted plaintext not yet read (16 KiB), encrypted output (64 KiB), and keys.
+const TLS_STATE_BYTES: usize = 160 * KIB;
+/// HTTP/2 framing per connection: read and write frame buffers, HPACK tables.
+const CODEC_BYTES: usize = 64 * KIB;
+/// One answer in flight: an AdmissionReview response (the largest, a /mutate patch, is ~4 KiB).
+const ANSWER_BYTES: usize = 16 * KIB;
+/// One request's task and service future.
+const TASK_BYTES: usize = 8 * KIB;
+/// A body buffer grows from at least this many bytes (or its Content-Length, if smaller).
+const MIN_BODY_CHUNK: usize = 16 * KIB;
+
+/// Everything the HTTPS server bounds, defined once. The defaults fit the chart's 128 MiB:
+///
+/// One connection can make the webhook hold at most ([`Limits::connection_bytes`]):
+/// - kernel receive queue, 2 x `socket_receive_buffer_bytes` (Linux doubles SO_RCVBUF for its
+///   bookkeeping; socket memory is charged to the pod's cgroup): 2 x 64 KiB = 128 KiB;
+/// - TLS state, 160 KiB; HTTP/2 framing, 64 KiB;
+/// - request bytes received but not yet read, at most the receive window: 128 KiB;
+/// - per stream (`max_concurrent_streams` = 8): its headers (16 KiB), its answer (16 KiB) and
+///   its task (8 KiB): 8 x 40 KiB = 320 KiB;
+///
+/// together 800 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
+///
+/// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
+/// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
+/// - 32 connections x 800 KiB = 25 MiB;
+/// - request bodies: the 16 MiB budget, and as much again for judging them (the guard of
+///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB;
+///
+/// = 97 MiB, which leaves 31 MiB of the 128 MiB limit for what this does not see (more than
+/// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once; more are closed at once, unserved. The API server keeps one
+    /// HTTP/2 connection per replica and opens more only beyond 8 admissions in flight on it.
+    pub max_connections: usize,
+    /// Connections from one IP address at once, so that one pod cannot take every slot from
+    /// the API server.
+    pub max_connections_per_peer: usize,
+    /// A TLS handshake not finished by then is dropped.
+    pub tls_handshake_timeout: Duration,
+    /// HTTP/1: a request whose headers have not all arrived by then closes the connection
+    /// (also between keep-alive requests).
+    pub header_read_timeout: Duration,
+    /// A connection with no request in flight for this long is told to finish.
+    pub idle_timeout: Duration,
+    /// No connection lives longer: it is told to finish, however busy.
+    pub max_connection_age: Duration,
+    /// How long a connection that was told to finish (idle, too old, shutdown) may take to
+    /// answer what it has in flight before it is dropped.
+    pub shutdown_grace: Duration,
+    /// HTTP/2 streams (requests) in flight on one connection.
+    pub max_concurrent_streams: u32,
+    /// Headers of one request: HTTP/2 header list size; HTTP/1 read buffer (which the
+    /// headers must fit). At least 8 KiB (hyper's minimum for HTTP/1).
+    pub max_header_bytes: u32,
+    /// HTTP/2 receive window, per stream and per connection: what a client may send before
+    /// the server reads it.
+    pub h2_window_bytes: u32,
+    /// SO_RCVBUF of every accepted socket: what the kernel queues before the server reads it.
+    pub socket_receive_buffer_bytes: u32,
+    /// HTTP/2 pings on a connection at this interval; no answer within the timeout closes it.
+    pub h2_keep_alive_interval: Duration,
+    pub h2_keep_alive_timeout: Duration,
+    /// The largest request body read (an AdmissionReview holds the object twice).
+    pub max_body_bytes: usize,
+    /// Request body bytes all requests together may buffer.
+    pub body_budget_bytes: usize,
+    /// A request body must have arrived whole this long after its reading began (within it,
+    /// waiting for budget too).
+    pub body_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 32,
+            max_connections_per_peer: 16,
+            tls_handshake_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            max_connection_age: Duration::from_secs(600),
+            shutdown_grace: Duration::from_secs(10),
+            max_concurrent_streams: 8,
+            max_header_bytes: 16 * 1024,
+            h2_window_bytes: 128 * 1024,
+            socket_receive_buffer_bytes: 64 * 1024,
+            h2_keep_alive_interval: Duration::from_secs(20),
+            h2_keep_alive_timeout: Duration::from_secs(10),
+            max_body_bytes: admission::MAX_BODY_BYTES,
+            body_budget_bytes: 2 * admission::MAX_BODY_BYTES,
+            body_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Limits {
+    /// The most one connection can make the webhook hold, request bodies aside (see [`Limits`]).
+    pub fn connection_bytes(&self) -> usize {
+        let per_stream = self.max_header_bytes as usize + ANSWER_BYTES + TASK_BYTES;
+        2 * self.socket_receive_buffer_bytes as usize
+            + TLS_STATE_BYTES
+            + CODEC_BYTES
+            + self.h2_window_bytes as usize
+            + self.max_concurrent_streams as usize * per_stream
+    }
+
+    /// The most the webhook can hold with every bound reached at once (see [`Limits`]).
+    pub fn worst_case_bytes(&self) -> usize {
+        BASELINE_BYTES + self.max_connections * self.connection_bytes() + 2 * self.body_budget_bytes
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// What the server's bounds did, for Prometheus. `reason` is one of a fixed set of words.
+#[derive(Clone, Debug, Default)]
+pub struct ServerMetrics {
+    open: Gauge,
+    refused: Family<ReasonLabel, Counter>,
+    closed: Family<ReasonLabel, Counter>,
+    buffered: Gauge,
+    bodies_refused: Family<ReasonLabel, Counter>,
+}
+
+impl ServerMetrics {
+    pub fn register(r: &mut Registry) -> ServerMetrics {
+        let m = ServerMetrics::default();
+        r.register(
+            "fencedlease_webhook_connections_open",
+            "HTTPS connections being served",
+            m.open.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_connections_refused",
+            "Connections closed at once, unserved: server_full (max connections reached), peer_full (max connections from that address)",
+            m.refused.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_connections_closed",
+            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown, grace_expired (dropped with requests in flight)",
+            m.closed.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_body_buffered_bytes",
+            "Request body bytes buffered now, by all requests together (at most the body budget)",
+            m.buffered.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_bodies_refused",
+            "Request bodies refused: too_large, broken, no_budget (the budget stayed spent), too_slow",
+            m.bodies_refused.clone(),
+        );
+        m
+    }
+
+    fn closed(&self, reason: &'static str) {
+        self.closed.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}
+
+/// Why a request body was not read; answered with [`BodyError::review`].
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the body is larger than {max} bytes, the most this webhook reads")]
+    TooLarge { max: usize },
+    #[error("the body could not be read ({0}); send it again")]
+    Broken(String),
+    #[error("the webhook is already buffering as many request bytes as it may ({budget}); retry shortly")]
+    NoBudget { budget: usize },
+    #[error("the body did not arrive within {0:?}; send it faster")]
+    TooSlow(Duration),
+}
+
+impl BodyError {
+    /// The refusing AdmissionReview to answer with.
+    pub fn review(&self) -> AdmissionReview<DynamicObject> {
+        admission::unreadable(&self.to_string())
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            BodyError::TooLarge { .. } => "too_large",
+            BodyError::Broken(_) => "broken",
+            BodyError::NoBudget { .. } => "no_budget",
+            BodyError::TooSlow(_) => "too_slow",
+        }
+    }
+}
+
+/// The bytes all request bodies together may buffer ([`Limits::body_budget_bytes`]), shared
+/// by every request; read bodies with [`read_body_bounded`].
+#[derive(Clone, Debug)]
+pub struct BodyBudget {
+    bytes: Arc<Semaphore>,
+    total: usize,
+    max_body: usize,
+    timeout: Duration,
+    metrics: ServerMetrics,
+}
+
+impl BodyBudget {
+    pub fn new(limits: &Limits, metrics: &ServerMetrics) -> BodyBudget {
+        let total = limits.body_budget_bytes.min(Semaphore::MAX_PERMITS);
+        BodyBudget {
+            bytes: Arc::new(Semaphore::new(total)),
+            total,
+            max_body: limits.max_body_bytes,
+            timeout: limits.body_timeout,
+            metrics: metrics.clone(),
+        }
+    }
+
+    /// Bytes of the budget not held by any request now.
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    /// Takes `bytes` more of the budget (while `holding` are held), waiting until `deadline`.
+    async fn take(&self, bytes: usize, holding: usize, deadline: Instant) -> Result<Held, BodyError> {
+        let no_budget = BodyError::NoBudget { budget: self.total };
+        let n = match u32::try_from(bytes) {
+            Ok(n) if bytes + holding <= self.total => n,
+            _ => return Err(no_budget), // more than it could ever get
+        };
+        match tokio::time::timeout_at(deadline, self.bytes.clone().acquire_many_owned(n)).await {
+            Ok(Ok(permit)) => {
+                self.metrics.buffered.inc_by(i64::from(n));
+                Ok(Held {
+                    permit,
+                    gauge: self.metrics.buffered.clone(),
+                })
+            }
+            Ok(Err(_)) | Err(_) => Err(no_budget),
+        }
+    }
+}
+
+/// A part of the budget, given back when dropped.
+#[derive(Debug)]
+struct Held {
+    permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let n = i64::try_from(self.permit.num_permits()).unwrap_or(i64::MAX);
+        self.gauge.dec_by(n);
+    }
+}
+
+/// The budget a read body holds; drop it when the judgement of the body is done.
+#[derive(Debug)]
+pub struct BudgetGuard(Option<Held>);
+
+impl BudgetGuard {
+    /// Bytes of the budget held (the body buffer's capacity).
+    pub fn bytes(&self) -> usize {
+        self.0.as_ref().map_or(0, |h| h.permit.num_permits())
+    }
+}
+
+/// Reads a request body whole, within [`Limits::max_body_bytes`] and
+/// [`Limits::body_timeout`], taking every byte it buffers from the shared budget as it
+/// arrives. The guard holds that budget: keep it until the judgement of the body is done.
+pub async fn read_body_bounded<B>(
+    body: B,
+    budget: &BodyBudget,
+) -> Result<(Bytes, BudgetGuard), BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let read = read_within(body, budget).await;
+    if let Err(e) = &read {
+        debug!(error = %e, "refused a request body");
+        budget
+            .metrics
+            .bodies_refused
+            .get_or_create(&ReasonLabel { reason: e.label() })
+            .inc();
+    }
+    read
+}
+
+/// The capacity to grow a body buffer of `cap` to so that `need` bytes fit: doubling (so that
+/// the budget held stays within twice what arrived), never beyond the declared length or max.
+fn grow_to(cap: usize, need: usize, declared: Option<u64>, max: usize) -> usize {
+    let ceiling = declared
+        .and_then(|d| usize::try_from(d).ok())
+        .map_or(max, |d| d.min(max));
+    (2 * cap).max(MIN_BODY_CHUNK).min(ceiling).max(need)
+}
+
+async fn read_within<B>(body: B, budget: &BodyBudget) -> Result<(Bytes, BudgetGuard), BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let max = budget.max_body;
+    let too_large = || BodyError::TooLarge { max };
+    if body.size_hint().lower() > max as u64 {
+        return Err(too_large());
+    }
+    let declared = body.size_hint().exact();
+    let deadline = Instant::now() + budget.timeout;
+    let mut body = std::pin::pin!(body);
+    let mut buf: Vec<u8> = Vec::new();
+    let mut held: Option<Held> = None;
+    loop {
+        let data = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Err(_) => return Err(BodyError::TooSlow(budget.timeout)),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e.to_string())),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue, // trailers: not part of the review
+            },
+        };
+        let need = buf.len() + data.len();
+        if need > max {
+            return Err(too_large());
+        }
+        if need > buf.capacity() {
+            // Grow by hand, the new buffer paid for before it exists and the old one's share
+            // given back only once it is gone: the budget covers both during the copy.
+            let cap = grow_to(buf.capacity(), need, declared, max);
+            let more = budget.take(cap, buf.capacity(), deadline).await?;
+            let mut bigger = Vec::with_capacity(cap);
+            bigger.extend_from_slice(&buf);
+            buf = bigger;
+            held = Some(more);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok((Bytes::from(buf), BudgetGuard(held)))
+}
+
+/// Why the server ends a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    Idle,
+    MaxAge,
+    Shutdown,
+}
+
+impl End {
+    fn label(self) -> &'static str {
+        match self {
+            End::Idle => "idle",
+            End::MaxAge => "max_age",
+            End::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Completes once no request has been in flight for `timeout` (`busy` counts them).
+async fn idle(busy: &mut watch::Receiver<usize>, timeout: Duration) {
+    loop {
+        if *busy.borrow_and_update() == 0 {
+            match tokio::time::timeout(timeout, busy.changed()).await {
+                Err(_) => return,
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => std::future::pending::<()>().await, // the connection is gone
+            }
+        } else if busy.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// When (and why) the server ends a connection that began at `born`.
+async fn until_end(
+    mut busy: watch::Receiver<usize>,
+    mut stop: watch::Receiver<bool>,
+    limits: &Limits,
+    born: Instant,
+) -> End {
+    tokio::select! {
+        _ = idle(&mut busy, limits.idle_timeout) => End::Idle,
+        _ = tokio::time::sleep_until(born + limits.max_connection_age) => End::MaxAge,
+        _ = stop.wait_for(|s| *s) => End::Shutdown,
+    }
+}
+
+/// Counts a request in flight on its connection while it lives.
+struct Busy(Arc<watch::Sender<usize>>);
+
+impl Busy {
+    fn enter(busy: &Arc<watch::Sender<usize>>) -> Busy {
+        busy.send_modify(|n| *n += 1);
+        Busy(busy.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The connection slots of each peer address.
+#[derive(Clone, Debug)]
+struct PeerSlots {
+    max: usize,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// A peer's slot, given back when dropped.
+struct PeerSlot {
+    ip: IpAddr,
+    slots: PeerSlots,
+}
+
+impl PeerSlots {
+    fn new(max: usize) -> PeerSlots {
+        PeerSlots {
+            max,
+            open: Arc::default(),
+        }
+    }
+
+    fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
+        let ip = ip.to_canonical(); // an IPv4 peer on a dual-stack socket is still that peer
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.get(&ip).copied().unwrap_or(0);
+        if n >= self.max {
+            return None;
+        }
+        open.insert(ip, n + 1);
+        Some(PeerSlot {
+            ip,
+            slots: self.clone(),
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.slots.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// What one connection holds of the server's capacity, given back when dropped.
+struct Slot {
+    _server: OwnedSemaphorePermit,
+    _peer: PeerSlot,
+    open: Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+/// What every connection task shares.
+struct Ctx {
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: Router,
+    h1: auto::Builder<TokioExecutor>,
+    h2: auto::Builder<TokioExecutor>,
+    limits: Limits,
+    metrics: ServerMetrics,
+}
+
+/// The HTTP server of one protocol, with every bound of `limits` that hyper enforces.
+fn http_builder(limits: &Limits, h2: bool) -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size((limits.max_header_bytes as usize).max(8 * KIB))
+        .keep_alive(true);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .max_header_list_size(limits.max_header_bytes)
+        .initial_stream_window_size(limits.h2_window_bytes)
+        .initial_connection_window_size(limits.h2_window_bytes)
+        .adaptive_window(false)
+        .keep_alive_interval(limits.h2_keep_alive_interval)
+        .keep_alive_timeout(limits.h2_keep_alive_timeout);
+    // Chosen by ALPN, not by sniffing the first bytes: a client that says nothing after the
+    // handshake then meets the HTTP/1 header timeout or the idle timeout.
+    if h2 {
+        b.http2_only()
+    } else {
+        b.http1_only()
+    }
+}
+
+/// Serves one accepted connection within the limits; `slot` is given back when it ends.
+async fn connection(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    ctx: Arc<Ctx>,
+    stop: watch::Receiver<bool>,
+    slot: Slot,
+) {
+    let _slot = slot;
+    let born = Instant::now();
+    let limits = &ctx.limits;
+    let tls = match tokio::time::timeout(limits.tls_handshake_timeout, ctx.acceptor.accept(tcp))
+        .await
+    {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            debug!(%peer, error = %e, "TLS handshake failed");
+            return ctx.metrics.closed("tls_failed");
+        }
+        Err(_) => return ctx.metrics.closed("tls_timeout"),
+    };
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+    let (busy_tx, busy_rx) = watch::channel(0usize);
+    let busy = Arc::new(busy_tx);
+    let app = TowerToHyperService::new(ctx.app.clone());
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let busy = Busy::enter(&busy);
+        let answer = app.call(req);
+        async move {
+            let answered = answer.await;
+            drop(busy);
+            answered
+        }
+    });
+    let builder = if h2 { &ctx.h2 } else { &ctx.h1 };
+    let conn = builder.serve_connection(TokioIo::new(tls), service);
+    tokio::pin!(conn);
+    let end = tokio::select! {
+        done = conn.as_mut() => return ended(&ctx.metrics, peer, done),
+        end = until_end(busy_rx, stop, limits, born) => end,
+    };
+    debug!(%peer, reason = end.label(), "ending the connection");
+    ctx.metrics.closed(end.label());
+    conn.as_mut().graceful_shutdown();
+    match tokio::time::timeout(limits.shutdown_grace, conn).await {
+        Ok(done) => ended(&ctx.metrics, peer, done),
+        Err(_) => ctx.metrics.closed("grace_expired"),
+    }
+}
+
+/// Notes how a connection ended by itself.
+fn ended(
+    metrics: &ServerMetrics,
+    peer: SocketAddr,
+    done: Result<(), Box<dyn std::error::Error + Send + Sync>>,
+) {
+    if let Err(e) = done {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            metrics.closed("header_timeout");
+        }
+        debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+/// Binds the HTTPS listener, every accepted socket with the receive buffer of `limits`.
+pub fn bind(addr: SocketAddr, limits: &Limits) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_recv_buffer_size(limits.socket_receive_buffer_bytes)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Serves `app` over TLS on `listener` within `limits` until `stop` completes; then tells every
+/// connection to finish and waits for them (at most the handshake timeout and the grace).
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    limits: Limits,
+    metrics: ServerMetrics,
+    stop: impl Future<Output = ()>,
+) {
+    let max = limits.max_connections.min(Semaphore::MAX_PERMITS);
+    let slots = Arc::new(Semaphore::new(max));
+    let peers = PeerSlots::new(limits.max_connections_per_peer);
+    let ctx = Arc::new(Ctx {
+        acceptor: tokio_rustls::TlsAcceptor::from(tls),
+        app,
+        h1: http_builder(&limits, false),
+        h2: http_builder(&limits, true),
+        limits,
+        metrics,
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(stop);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(server) = slots.clone().try_acquire_owned() else {
+            ctx.metrics.refused("server_full");
+            continue; // dropping the connection closes it
+        };
+        let Some(peer_slot) = peers.take(peer.ip()) else {
+            ctx.metrics.refused("peer_full");
+            continue;
+        };
+        ctx.metrics.open.inc();
+        let slot = Slot {
+            _server: server,
+            _peer: peer_slot,
+            open: ctx.metrics.open.clone(),
+        };
+        // The API server waits on every answer: no Nagle delay on a reply that goes out in
+        // more than one write (HTTP/2 headers and data frames).
+        if let Err(e) = tcp.set_nodelay(true) {
+            debug!(%peer, error = %e, "could not set TCP_NODELAY");
+        }
+        tokio::spawn(connection(tcp, peer, ctx.clone(), stop_rx.clone(), slot));
+    }
+    drop(listener);
+    let open = max - slots.available_permits();
+    info!(open, "stopped accepting; finishing the open connections");
+    let _ = stop_tx.send(true);
+    let all = u32::try_from(max).unwrap_or(u32::MAX);
+    let wait = ctx.limits.tls_handshake_timeout.max(ctx.limits.shutdown_grace);
+    if tokio::time::timeout(wait, slots.acquire_many(all)).await.is_err() {
+        let left = max - slots.available_permits();
+        warn!(left, "connections still open at shutdown are dropped");
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("binding {addr}: {source} (is another process listening there?)")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("installing the SIGTERM handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// Binds `addr` and serves `app` within `limits` until SIGTERM or ctrl-c.
+pub async fn serve_until_signalled(
+    addr: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    limits: Limits,
+    metrics: ServerMetrics,
+) -> Result<(), ServeError> {
+    let listener = bind(addr, &limits).map_err(|source| ServeError::Bind { addr, source })?;
+    info!(%addr, "serving admission reviews over HTTPS at /validate");
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(ServeError::Signal)?;
+    let stop = async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    serve(listener, tls, app, limits, metrics, stop).await;
+    Ok(())
+}
