@@ -59,8 +59,10 @@ const CODEC_BYTES: usize = 64 * KIB;
 const ANSWER_BYTES: usize = 16 * KIB;
 /// One request's task and service future.
 const TASK_BYTES: usize = 8 * KIB;
-/// A body buffer grows from at least this many bytes (or its Content-Length, if smaller).
-const MIN_BODY_CHUNK: usize = 16 * KIB;
+/// Room kept for the next body frame before it is read: the largest frame hyper hands over
+/// with these limits (an HTTP/2 DATA frame, 16 KiB by default; HTTP/1 reads within the 16 KiB
+/// buffer). A larger frame (possible only from another body type) is paid for after reading.
+const FRAME_ROOM: usize = 16 * KIB;
 
 /// Everything the HTTPS server bounds, defined once. The defaults fit the chart's 128 MiB:
 ///
@@ -277,7 +279,12 @@ impl BodyBudget {
     }
 
     /// Takes `bytes` more of the budget (while `holding` are held), waiting until `deadline`.
-    async fn take(&self, bytes: usize, holding: usize, deadline: Instant) -> Result<Held, BodyError> {
+    async fn take(
+        &self,
+        bytes: usize,
+        holding: usize,
+        deadline: Instant,
+    ) -> Result<Held, BodyError> {
         let no_budget = BodyError::NoBudget { budget: self.total };
         let n = match u32::try_from(bytes) {
             Ok(n) if bytes + holding <= self.total => n,
@@ -344,13 +351,32 @@ where
     read
 }
 
-/// The capacity to grow a body buffer of `cap` to so that `need` bytes fit: doubling (so that
-/// the budget held stays within twice what arrived), never beyond the declared length or max.
-fn grow_to(cap: usize, need: usize, declared: Option<u64>, max: usize) -> usize {
-    let ceiling = declared
-        .and_then(|d| usize::try_from(d).ok())
-        .map_or(max, |d| d.min(max));
-    (2 * cap).max(MIN_BODY_CHUNK).min(ceiling).max(need)
+/// A body being read, in a buffer whose capacity is paid for from the budget.
+struct Buffer<'a> {
+    bytes: Vec<u8>,
+    held: Option<Held>,
+    budget: &'a BodyBudget,
+    ceiling: usize,
+    deadline: Instant,
+}
+
+impl Buffer<'_> {
+    /// Makes the capacity at least `need`. Grown by hand, the new buffer paid for before it
+    /// exists and the old one's share given back only once it is gone: the budget covers both
+    /// during the copy.
+    async fn make_room(&mut self, need: usize) -> Result<(), BodyError> {
+        let cap = self.bytes.capacity();
+        if need <= cap {
+            return Ok(());
+        }
+        let new_cap = need;
+        let more = self.budget.take(new_cap, cap, self.deadline).await?;
+        let mut bigger = Vec::with_capacity(new_cap);
+        bigger.extend_from_slice(&self.bytes);
+        self.bytes = bigger;
+        self.held = Some(more);
+        Ok(())
+    }
 }
 
 async fn read_within<B>(body: B, budget: &BodyBudget) -> Result<(Bytes, BudgetGuard), BodyError>
@@ -364,12 +390,22 @@ where
         return Err(too_large());
     }
     let declared = body.size_hint().exact();
-    let deadline = Instant::now() + budget.timeout;
+    let mut buf = Buffer {
+        bytes: Vec::new(),
+        held: None,
+        budget,
+        ceiling: declared
+            .and_then(|d| usize::try_from(d).ok())
+            .map_or(max, |d| d.min(max)),
+        deadline: Instant::now() + budget.timeout,
+    };
     let mut body = std::pin::pin!(body);
-    let mut buf: Vec<u8> = Vec::new();
-    let mut held: Option<Held> = None;
     loop {
-        let data = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+        // Room for the next frame is paid for before the frame is taken off the connection;
+        // until then the client waits on flow control (HTTP/2) or TCP (HTTP/1).
+        let len = buf.bytes.len();
+        buf.make_room((len + FRAME_ROOM).min(buf.ceiling)).await?;
+        let data = match tokio::time::timeout_at(buf.deadline, body.as_mut().frame()).await {
             Err(_) => return Err(BodyError::TooSlow(budget.timeout)),
             Ok(None) => break,
             Ok(Some(Err(e))) => return Err(BodyError::Broken(e.to_string())),
@@ -378,23 +414,19 @@ where
                 Err(_) => continue, // trailers: not part of the review
             },
         };
-        let need = buf.len() + data.len();
+        let need = len + data.len();
         if need > max {
             return Err(too_large());
         }
-        if need > buf.capacity() {
-            // Grow by hand, the new buffer paid for before it exists and the old one's share
-            // given back only once it is gone: the budget covers both during the copy.
-            let cap = grow_to(buf.capacity(), need, declared, max);
-            let more = budget.take(cap, buf.capacity(), deadline).await?;
-            let mut bigger = Vec::with_capacity(cap);
-            bigger.extend_from_slice(&buf);
-            buf = bigger;
-            held = Some(more);
-        }
-        buf.extend_from_slice(&data);
+        // A body that has begun to arrive takes all it may become (its declared length, or
+        // the cap) at once: had it grown frame by frame, requests holding part of their bodies
+        // while waiting for more budget would wait on each other until all their deadlines
+        // passed (32 bodies of 400 KiB on a 1 MiB budget: none read). Untouched capacity costs
+        // budget but no memory.
+        buf.make_room(need.max(buf.ceiling)).await?;
+        buf.bytes.extend_from_slice(&data);
     }
-    Ok((Bytes::from(buf), BudgetGuard(held)))
+    Ok((Bytes::from(buf.bytes), BudgetGuard(buf.held)))
 }
 
 /// Why the server ends a connection.
@@ -568,16 +600,15 @@ async fn connection(
     let _slot = slot;
     let born = Instant::now();
     let limits = &ctx.limits;
-    let tls = match tokio::time::timeout(limits.tls_handshake_timeout, ctx.acceptor.accept(tcp))
-        .await
-    {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            debug!(%peer, error = %e, "TLS handshake failed");
-            return ctx.metrics.closed("tls_failed");
-        }
-        Err(_) => return ctx.metrics.closed("tls_timeout"),
-    };
+    let tls =
+        match tokio::time::timeout(limits.tls_handshake_timeout, ctx.acceptor.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                debug!(%peer, error = %e, "TLS handshake failed");
+                return ctx.metrics.closed("tls_failed");
+            }
+            Err(_) => return ctx.metrics.closed("tls_timeout"),
+        };
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
     let (busy_tx, busy_rx) = watch::channel(0usize);
     let busy = Arc::new(busy_tx);
@@ -697,8 +728,14 @@ pub async fn serve(
     info!(open, "stopped accepting; finishing the open connections");
     let _ = stop_tx.send(true);
     let all = u32::try_from(max).unwrap_or(u32::MAX);
-    let wait = ctx.limits.tls_handshake_timeout.max(ctx.limits.shutdown_grace);
-    if tokio::time::timeout(wait, slots.acquire_many(all)).await.is_err() {
+    let wait = ctx
+        .limits
+        .tls_handshake_timeout
+        .max(ctx.limits.shutdown_grace);
+    if tokio::time::timeout(wait, slots.acquire_many(all))
+        .await
+        .is_err()
+    {
         let left = max - slots.available_permits();
         warn!(left, "connections still open at shutdown are dropped");
     }
@@ -735,4 +772,297 @@ pub async fn serve_until_signalled(
     };
     serve(listener, tls, app, limits, metrics, stop).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll};
+
+    use futures::StreamExt as _;
+    use http_body_util::{Full, StreamBody};
+    use hyper::body::Frame;
+
+    use super::*;
+
+    type Frames = Pin<Box<dyn futures::Stream<Item = Result<Frame<Bytes>, String>> + Send>>;
+
+    /// A body of `frames` frames of `size` bytes, one every `every`, declaring its length or not.
+    fn trickle(frames: usize, size: usize, every: Duration, declare: bool) -> Sized_ {
+        let stream: Frames = Box::pin(futures::stream::iter(0..frames).then(move |_| async move {
+            tokio::time::sleep(every).await;
+            Ok(Frame::data(Bytes::from(vec![b'x'; size])))
+        }));
+        Sized_ {
+            inner: StreamBody::new(stream),
+            declared: declare.then_some((frames * size) as u64),
+        }
+    }
+
+    /// A stream body with a declared length (as hyper gives one for a Content-Length).
+    struct Sized_ {
+        inner: StreamBody<Frames>,
+        declared: Option<u64>,
+    }
+
+    impl HttpBody for Sized_ {
+        type Data = Bytes;
+        type Error = String;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, String>>> {
+            Pin::new(&mut self.inner).poll_frame(cx)
+        }
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            self.declared.map_or_else(
+                hyper::body::SizeHint::default,
+                hyper::body::SizeHint::with_exact,
+            )
+        }
+    }
+
+    /// Bytes taken off bodies and not yet given back, and the most there ever were.
+    #[derive(Default)]
+    struct Meter {
+        now: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    /// A body that adds every byte taken from it to a meter (and to its own tally).
+    struct Counted<B> {
+        inner: B,
+        meter: Arc<Meter>,
+        tally: Arc<AtomicUsize>,
+    }
+
+    impl<B: HttpBody<Data = Bytes> + Unpin> HttpBody for Counted<B> {
+        type Data = Bytes;
+        type Error = B::Error;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+            let polled = Pin::new(&mut self.inner).poll_frame(cx);
+            if let Poll::Ready(Some(Ok(f))) = &polled {
+                let n = f.data_ref().map_or(0, Bytes::len);
+                self.tally.fetch_add(n, Ordering::SeqCst);
+                let now = self.meter.now.fetch_add(n, Ordering::SeqCst) + n;
+                self.meter.peak.fetch_max(now, Ordering::SeqCst);
+            }
+            polled
+        }
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            self.inner.size_hint()
+        }
+    }
+
+    fn limits(budget: usize, max_body: usize, timeout: Duration) -> Limits {
+        Limits {
+            body_budget_bytes: budget,
+            max_body_bytes: max_body,
+            body_timeout: timeout,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn the_defaults_fit_the_charts_memory_limit_with_room() {
+        let l = Limits::default();
+        assert!(
+            l.worst_case_bytes() + HEADROOM_BYTES <= CHART_MEMORY_LIMIT_BYTES,
+            "worst case {} MiB",
+            l.worst_case_bytes() / MIB
+        );
+        // A body of the largest size can always grow: its old and new buffer fit the budget.
+        assert!(l.body_budget_bytes >= 2 * l.max_body_bytes);
+        // HTTP/1 hands over body frames within its read buffer: they fit the room kept.
+        assert!((l.max_header_bytes as usize).max(8 * KIB) <= FRAME_ROOM);
+        // A body of the largest size, declared, can take its whole length while every other
+        // stream holds the room for its first frame: requests never wait on each other.
+        let streams = l.max_connections * l.max_concurrent_streams.max(1) as usize;
+        assert!(l.body_budget_bytes >= l.max_body_bytes + streams * FRAME_ROOM);
+        // The chart's limit is the one this arithmetic is for.
+        let values: serde_json::Value =
+            serde_yaml_ng::from_str(include_str!("../../charts/fencedlease/values.yaml"))
+                .expect("values.yaml");
+        assert_eq!(values["webhook"]["resources"]["limits"]["memory"], "128Mi");
+        assert_eq!(CHART_MEMORY_LIMIT_BYTES, 128 * MIB);
+    }
+
+    #[test]
+    fn each_peer_address_gets_its_own_slots() {
+        let peers = PeerSlots::new(2);
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let a6: IpAddr = "::ffff:10.0.0.1".parse().expect("ip");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        let first = peers.take(a).expect("a slot");
+        let second = peers.take(a6).expect("a slot"); // the same peer, seen over IPv6
+        assert!(peers.take(a).is_none(), "a third connection from one peer");
+        assert!(peers.take(b).is_some(), "another peer");
+        drop(first);
+        assert!(peers.take(a).is_some(), "a slot given back");
+        drop(second);
+        assert!(peers.open.lock().expect("lock").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_within_its_declared_length() {
+        let budget = BodyBudget::new(&Limits::default(), &ServerMetrics::default());
+        let body = Full::new(Bytes::from_static(b"{\"kind\":\"AdmissionReview\"}"));
+        let (bytes, first) = read_body_bounded(body, &budget).await.expect("read");
+        assert_eq!(&bytes[..], b"{\"kind\":\"AdmissionReview\"}");
+        assert_eq!(first.bytes(), bytes.len());
+        let (bytes, guard) = read_body_bounded(trickle(100, 1000, Duration::ZERO, false), &budget)
+            .await
+            .expect("read");
+        assert_eq!(bytes.len(), 100_000);
+        // No length declared: it took all a body may be, once it began to arrive.
+        assert_eq!(guard.bytes(), Limits::default().max_body_bytes);
+        drop((guard, first));
+        assert_eq!(budget.available(), Limits::default().body_budget_bytes);
+    }
+
+    #[tokio::test]
+    async fn too_large_bodies_are_refused_declared_or_not() {
+        let budget = BodyBudget::new(
+            &limits(MIB, 64 * KIB, Duration::from_secs(5)),
+            &ServerMetrics::default(),
+        );
+        let declared = read_body_bounded(trickle(65, KIB, Duration::ZERO, true), &budget).await;
+        assert!(matches!(declared, Err(BodyError::TooLarge { max }) if max == 64 * KIB));
+        let streamed = read_body_bounded(trickle(65, KIB, Duration::ZERO, false), &budget).await;
+        assert!(matches!(streamed, Err(BodyError::TooLarge { .. })));
+        let fits = read_body_bounded(trickle(64, KIB, Duration::ZERO, false), &budget).await;
+        assert_eq!(fits.expect("64 KiB fits").0.len(), 64 * KIB);
+        assert_eq!(budget.available(), MIB);
+    }
+
+    /// Whether `elapsed` is `expected`, give or take a busy machine.
+    fn about(elapsed: Duration, expected: Duration) -> bool {
+        elapsed >= expected && elapsed < expected + Duration::from_secs(1)
+    }
+
+    #[tokio::test]
+    async fn a_trickled_body_is_refused_when_its_time_is_up() {
+        let metrics = ServerMetrics::default();
+        let timeout = Duration::from_millis(300);
+        let budget = BodyBudget::new(&limits(MIB, 64 * KIB, timeout), &metrics);
+        let started = Instant::now();
+        let slow =
+            read_body_bounded(trickle(60, 1, Duration::from_millis(50), true), &budget).await;
+        assert!(matches!(slow, Err(BodyError::TooSlow(_))), "{slow:?}");
+        assert!(about(started.elapsed(), timeout), "{:?}", started.elapsed());
+        assert_eq!(budget.available(), MIB);
+        let review = slow.err().expect("an error").review();
+        let resp = review.response.expect("a response");
+        assert!(!resp.allowed);
+        assert!(
+            resp.result.message.contains("did not arrive within 300ms"),
+            "{}",
+            resp.result.message
+        );
+        assert_eq!(
+            metrics
+                .bodies_refused
+                .get_or_create(&ReasonLabel { reason: "too_slow" })
+                .get(),
+            1
+        );
+        assert_eq!(metrics.buffered.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_cannot_get_budget_is_refused_at_its_deadline() {
+        let timeout = Duration::from_millis(300);
+        let budget = BodyBudget::new(
+            &limits(64 * KIB, 32 * KIB, timeout),
+            &ServerMetrics::default(),
+        );
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let body = trickle(16, KIB, Duration::ZERO, true);
+            held.push(read_body_bounded(body, &budget).await.expect("16 KiB").1);
+        }
+        assert_eq!(budget.available(), 0);
+        let started = Instant::now();
+        let starved = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget).await;
+        assert!(
+            matches!(starved, Err(BodyError::NoBudget { .. })),
+            "{starved:?}"
+        );
+        assert!(about(started.elapsed(), timeout), "{:?}", started.elapsed());
+        held.pop();
+        let fed = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget).await;
+        assert_eq!(fed.expect("budget given back").0.len(), KIB);
+    }
+
+    /// One request of the parallel test: reads, holds its body a while, gives it all back.
+    async fn judge(body: Sized_, budget: BodyBudget, meter: Arc<Meter>) -> Result<(), BodyError> {
+        let tally = Arc::new(AtomicUsize::new(0));
+        let counted = Counted {
+            inner: body,
+            meter: meter.clone(),
+            tally: tally.clone(),
+        };
+        let read = read_body_bounded(counted, &budget).await;
+        if let Ok((_bytes, _guard)) = &read {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // No await between the budget given back and the meter: exact on this one thread.
+        meter
+            .now
+            .fetch_sub(tally.load(Ordering::SeqCst), Ordering::SeqCst);
+        read.map(|_| ())
+    }
+
+    /// Reads `n` bodies of 400 KiB (16 KiB frames) at once on a 1 MiB budget; returns how
+    /// many were read and the most bytes taken off them at once.
+    async fn read_in_parallel(n: usize, declare: bool) -> (usize, usize) {
+        let budget = BodyBudget::new(
+            &limits(MIB, 512 * KIB, Duration::from_secs(5)),
+            &ServerMetrics::default(),
+        );
+        let meter = Arc::new(Meter::default());
+        let reads: Vec<_> = (0..n)
+            .map(|_| {
+                let body = trickle(25, 16 * KIB, Duration::from_millis(1), declare);
+                tokio::spawn(judge(body, budget.clone(), meter.clone()))
+            })
+            .collect();
+        let mut ok = 0;
+        for r in reads {
+            match r.await.expect("join") {
+                Ok(()) => ok += 1,
+                Err(BodyError::NoBudget { .. } | BodyError::TooSlow(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(budget.available(), MIB, "budget not given back");
+        assert_eq!(meter.now.load(Ordering::SeqCst), 0);
+        (ok, meter.peak.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn parallel_bodies_never_take_more_bytes_than_the_budget() {
+        // As the API server sends them: with a Content-Length. All are read, in turn.
+        let (ok, peak) = read_in_parallel(32, true).await;
+        assert!(
+            peak <= MIB,
+            "{peak} bytes taken at once, over the 1 MiB budget"
+        );
+        assert!(
+            peak > MIB / 2,
+            "the test did not press on the budget: peak {peak}"
+        );
+        assert_eq!(ok, 32, "bodies with a declared length wait their turn");
+        // Without: each takes the cap (512 KiB) once it begins, so two are read at a time.
+        let (ok, peak) = read_in_parallel(8, false).await;
+        assert!(
+            peak <= MIB,
+            "{peak} bytes taken at once, over the 1 MiB budget"
+        );
+        assert_eq!(ok, 8, "bodies of unknown length wait their turn too");
+    }
 }
