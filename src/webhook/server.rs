@@ -59,10 +59,6 @@ const CODEC_BYTES: usize = 64 * KIB;
 const ANSWER_BYTES: usize = 16 * KIB;
 /// One request's task and service future.
 const TASK_BYTES: usize = 8 * KIB;
-/// Room kept for the next body frame before it is read: the largest frame hyper hands over
-/// with these limits (an HTTP/2 DATA frame, 16 KiB by default; HTTP/1 reads within the 16 KiB
-/// buffer). A larger frame (possible only from another body type) is paid for after reading.
-const FRAME_ROOM: usize = 16 * KIB;
 
 /// Everything the HTTPS server bounds, defined once. The defaults fit the chart's 128 MiB:
 ///
@@ -70,19 +66,19 @@ const FRAME_ROOM: usize = 16 * KIB;
 /// - kernel receive queue, 2 x `socket_receive_buffer_bytes` (Linux doubles SO_RCVBUF for its
 ///   bookkeeping; socket memory is charged to the pod's cgroup): 2 x 64 KiB = 128 KiB;
 /// - TLS state, 160 KiB; HTTP/2 framing, 64 KiB;
-/// - request bytes received but not yet read, at most the receive window: 128 KiB;
-/// - per stream (`max_concurrent_streams` = 8): its headers (16 KiB), its answer (16 KiB) and
-///   its task (8 KiB): 8 x 40 KiB = 320 KiB;
+/// - per stream (`max_concurrent_streams` = 8): its request bytes received but not yet read
+///   (its receive window, 32 KiB), its headers (16 KiB), its answer (16 KiB) and its task
+///   (8 KiB): 8 x 72 KiB = 576 KiB;
 ///
-/// together 800 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
+/// together 928 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
 ///
 /// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
-/// - 32 connections x 800 KiB = 25 MiB;
+/// - 32 connections x 928 KiB = 29 MiB;
 /// - request bodies: the 16 MiB budget, and as much again for judging them (the guard of
 ///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB;
 ///
-/// = 97 MiB, which leaves 31 MiB of the 128 MiB limit for what this does not see (more than
+/// = 101 MiB, which leaves 27 MiB of the 128 MiB limit for what this does not see (more than
 /// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -109,9 +105,10 @@ pub struct Limits {
     /// Headers of one request: HTTP/2 header list size; HTTP/1 read buffer (which the
     /// headers must fit). At least 8 KiB (hyper's minimum for HTTP/1).
     pub max_header_bytes: u32,
-    /// HTTP/2 receive window, per stream and per connection: what a client may send before
-    /// the server reads it.
-    pub h2_window_bytes: u32,
+    /// HTTP/2 receive window of a stream: what a client may send on it before the server
+    /// reads it. The connection's window is that of all its streams together, so that streams
+    /// waiting for body budget cannot use up the window of the one being read.
+    pub h2_stream_window_bytes: u32,
     /// SO_RCVBUF of every accepted socket: what the kernel queues before the server reads it.
     pub socket_receive_buffer_bytes: u32,
     /// HTTP/2 pings on a connection at this interval; no answer within the timeout closes it.
@@ -138,7 +135,7 @@ impl Default for Limits {
             shutdown_grace: Duration::from_secs(10),
             max_concurrent_streams: 8,
             max_header_bytes: 16 * 1024,
-            h2_window_bytes: 128 * 1024,
+            h2_stream_window_bytes: 32 * 1024,
             socket_receive_buffer_bytes: 64 * 1024,
             h2_keep_alive_interval: Duration::from_secs(20),
             h2_keep_alive_timeout: Duration::from_secs(10),
@@ -152,12 +149,20 @@ impl Default for Limits {
 impl Limits {
     /// The most one connection can make the webhook hold, request bodies aside (see [`Limits`]).
     pub fn connection_bytes(&self) -> usize {
-        let per_stream = self.max_header_bytes as usize + ANSWER_BYTES + TASK_BYTES;
+        let per_stream = self.h2_stream_window_bytes as usize
+            + self.max_header_bytes as usize
+            + ANSWER_BYTES
+            + TASK_BYTES;
         2 * self.socket_receive_buffer_bytes as usize
             + TLS_STATE_BYTES
             + CODEC_BYTES
-            + self.h2_window_bytes as usize
             + self.max_concurrent_streams as usize * per_stream
+    }
+
+    /// The HTTP/2 receive window of a connection: the sum of its streams' windows.
+    fn h2_connection_window_bytes(&self) -> u32 {
+        self.h2_stream_window_bytes
+            .saturating_mul(self.max_concurrent_streams.max(1))
     }
 
     /// The most the webhook can hold with every bound reached at once (see [`Limits`]).
@@ -200,8 +205,8 @@ impl ServerMetrics {
             m.closed.clone(),
         );
         r.register(
-            "fencedlease_webhook_body_buffered_bytes",
-            "Request body bytes buffered now, by all requests together (at most the body budget)",
+            "fencedlease_webhook_body_bytes_held",
+            "Bytes of the request body budget held now by bodies being read or judged (at most the budget)",
             m.buffered.clone(),
         );
         r.register(
@@ -278,16 +283,11 @@ impl BodyBudget {
         self.bytes.available_permits()
     }
 
-    /// Takes `bytes` more of the budget (while `holding` are held), waiting until `deadline`.
-    async fn take(
-        &self,
-        bytes: usize,
-        holding: usize,
-        deadline: Instant,
-    ) -> Result<Held, BodyError> {
+    /// Takes `bytes` of the budget, waiting until `deadline`.
+    async fn take(&self, bytes: usize, deadline: Instant) -> Result<Held, BodyError> {
         let no_budget = BodyError::NoBudget { budget: self.total };
         let n = match u32::try_from(bytes) {
-            Ok(n) if bytes + holding <= self.total => n,
+            Ok(n) if bytes <= self.total => n,
             _ => return Err(no_budget), // more than it could ever get
         };
         match tokio::time::timeout_at(deadline, self.bytes.clone().acquire_many_owned(n)).await {
@@ -319,18 +319,19 @@ impl Drop for Held {
 
 /// The budget a read body holds; drop it when the judgement of the body is done.
 #[derive(Debug)]
-pub struct BudgetGuard(Option<Held>);
+pub struct BudgetGuard(Held);
 
 impl BudgetGuard {
     /// Bytes of the budget held (the body buffer's capacity).
     pub fn bytes(&self) -> usize {
-        self.0.as_ref().map_or(0, |h| h.permit.num_permits())
+        self.0.permit.num_permits()
     }
 }
 
 /// Reads a request body whole, within [`Limits::max_body_bytes`] and
-/// [`Limits::body_timeout`], taking every byte it buffers from the shared budget as it
-/// arrives. The guard holds that budget: keep it until the judgement of the body is done.
+/// [`Limits::body_timeout`], having first taken from the shared budget all the body may
+/// become (its Content-Length, or the cap). The guard holds that budget: keep it until the
+/// judgement of the body is done. Refusals ([`BodyError::review`]) say what to do next.
 pub async fn read_body_bounded<B>(
     body: B,
     budget: &BodyBudget,
@@ -351,61 +352,32 @@ where
     read
 }
 
-/// A body being read, in a buffer whose capacity is paid for from the budget.
-struct Buffer<'a> {
-    bytes: Vec<u8>,
-    held: Option<Held>,
-    budget: &'a BodyBudget,
-    ceiling: usize,
-    deadline: Instant,
-}
-
-impl Buffer<'_> {
-    /// Makes the capacity at least `need`. Grown by hand, the new buffer paid for before it
-    /// exists and the old one's share given back only once it is gone: the budget covers both
-    /// during the copy.
-    async fn make_room(&mut self, need: usize) -> Result<(), BodyError> {
-        let cap = self.bytes.capacity();
-        if need <= cap {
-            return Ok(());
-        }
-        let new_cap = need;
-        let more = self.budget.take(new_cap, cap, self.deadline).await?;
-        let mut bigger = Vec::with_capacity(new_cap);
-        bigger.extend_from_slice(&self.bytes);
-        self.bytes = bigger;
-        self.held = Some(more);
-        Ok(())
-    }
-}
-
 async fn read_within<B>(body: B, budget: &BodyBudget) -> Result<(Bytes, BudgetGuard), BodyError>
 where
     B: HttpBody<Data = Bytes>,
     B::Error: std::fmt::Display,
 {
     let max = budget.max_body;
-    let too_large = || BodyError::TooLarge { max };
     if body.size_hint().lower() > max as u64 {
-        return Err(too_large());
+        return Err(BodyError::TooLarge { max });
     }
-    let declared = body.size_hint().exact();
-    let mut buf = Buffer {
-        bytes: Vec::new(),
-        held: None,
-        budget,
-        ceiling: declared
-            .and_then(|d| usize::try_from(d).ok())
-            .map_or(max, |d| d.min(max)),
-        deadline: Instant::now() + budget.timeout,
-    };
+    // All the body may become (its declared length, or the cap) is taken from the budget at
+    // once, before any of it is read: a request never holds part of the budget while it waits
+    // for more. Taken frame by frame, requests holding part of their bodies waited on each
+    // other until all their deadlines passed (32 bodies of 400 KiB on a 1 MiB budget: none
+    // read). Until it has budget, the client waits on flow control (HTTP/2) or TCP (HTTP/1);
+    // capacity not yet filled costs budget, not memory.
+    let ceiling = body
+        .size_hint()
+        .exact()
+        .and_then(|d| usize::try_from(d).ok())
+        .map_or(max, |d| d.min(max));
+    let deadline = Instant::now() + budget.timeout;
+    let held = budget.take(ceiling, deadline).await?;
+    let mut buf: Vec<u8> = Vec::with_capacity(ceiling);
     let mut body = std::pin::pin!(body);
     loop {
-        // Room for the next frame is paid for before the frame is taken off the connection;
-        // until then the client waits on flow control (HTTP/2) or TCP (HTTP/1).
-        let len = buf.bytes.len();
-        buf.make_room((len + FRAME_ROOM).min(buf.ceiling)).await?;
-        let data = match tokio::time::timeout_at(buf.deadline, body.as_mut().frame()).await {
+        let data = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
             Err(_) => return Err(BodyError::TooSlow(budget.timeout)),
             Ok(None) => break,
             Ok(Some(Err(e))) => return Err(BodyError::Broken(e.to_string())),
@@ -414,19 +386,18 @@ where
                 Err(_) => continue, // trailers: not part of the review
             },
         };
-        let need = len + data.len();
+        let need = buf.len() + data.len();
         if need > max {
-            return Err(too_large());
+            return Err(BodyError::TooLarge { max });
         }
-        // A body that has begun to arrive takes all it may become (its declared length, or
-        // the cap) at once: had it grown frame by frame, requests holding part of their bodies
-        // while waiting for more budget would wait on each other until all their deadlines
-        // passed (32 bodies of 400 KiB on a 1 MiB budget: none read). Untouched capacity costs
-        // budget but no memory.
-        buf.make_room(need.max(buf.ceiling)).await?;
-        buf.bytes.extend_from_slice(&data);
+        if need > ceiling {
+            return Err(BodyError::Broken(format!(
+                "it is longer than the {ceiling} bytes it declared"
+            )));
+        }
+        buf.extend_from_slice(&data);
     }
-    Ok((Bytes::from(buf.bytes), BudgetGuard(buf.held)))
+    Ok((Bytes::from(buf), BudgetGuard(held)))
 }
 
 /// Why the server ends a connection.
@@ -575,8 +546,8 @@ fn http_builder(limits: &Limits, h2: bool) -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .max_concurrent_streams(limits.max_concurrent_streams)
         .max_header_list_size(limits.max_header_bytes)
-        .initial_stream_window_size(limits.h2_window_bytes)
-        .initial_connection_window_size(limits.h2_window_bytes)
+        .initial_stream_window_size(limits.h2_stream_window_bytes)
+        .initial_connection_window_size(limits.h2_connection_window_bytes())
         .adaptive_window(false)
         .keep_alive_interval(limits.h2_keep_alive_interval)
         .keep_alive_timeout(limits.h2_keep_alive_timeout);
@@ -875,14 +846,8 @@ mod tests {
             "worst case {} MiB",
             l.worst_case_bytes() / MIB
         );
-        // A body of the largest size can always grow: its old and new buffer fit the budget.
+        // Two bodies of the largest size can be read at once.
         assert!(l.body_budget_bytes >= 2 * l.max_body_bytes);
-        // HTTP/1 hands over body frames within its read buffer: they fit the room kept.
-        assert!((l.max_header_bytes as usize).max(8 * KIB) <= FRAME_ROOM);
-        // A body of the largest size, declared, can take its whole length while every other
-        // stream holds the room for its first frame: requests never wait on each other.
-        let streams = l.max_connections * l.max_concurrent_streams.max(1) as usize;
-        assert!(l.body_budget_bytes >= l.max_body_bytes + streams * FRAME_ROOM);
         // The chart's limit is the one this arithmetic is for.
         let values: serde_json::Value =
             serde_yaml_ng::from_str(include_str!("../../charts/fencedlease/values.yaml"))
@@ -955,7 +920,7 @@ mod tests {
         assert!(matches!(slow, Err(BodyError::TooSlow(_))), "{slow:?}");
         assert!(about(started.elapsed(), timeout), "{:?}", started.elapsed());
         assert_eq!(budget.available(), MIB);
-        let review = slow.err().expect("an error").review();
+        let review = slow.expect_err("an error").review();
         let resp = review.response.expect("a response");
         assert!(!resp.allowed);
         assert!(
@@ -1057,7 +1022,7 @@ mod tests {
             "the test did not press on the budget: peak {peak}"
         );
         assert_eq!(ok, 32, "bodies with a declared length wait their turn");
-        // Without: each takes the cap (512 KiB) once it begins, so two are read at a time.
+        // Without: each takes the cap (512 KiB) before reading, so two are read at a time.
         let (ok, peak) = read_in_parallel(8, false).await;
         assert!(
             peak <= MIB,
