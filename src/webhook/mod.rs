@@ -11,6 +11,7 @@
 
 pub mod admission;
 pub mod inject;
+pub mod server;
 pub mod tls;
 
 use std::net::SocketAddr;
@@ -28,8 +29,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use base64::Engine as _;
 use futures::StreamExt;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
 use kube::core::admission::{AdmissionResponse, AdmissionReview};
 use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -49,7 +48,7 @@ use crate::fencing::{
     decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS, MODE_ANNOTATION,
 };
 use crate::metrics::HealthState;
-use admission::{Judgement, Parsed, ScaleCheck, MAX_BODY_BYTES};
+use admission::{Judgement, Parsed, ScaleCheck};
 use tls::{CertFiles, ReloadingCert};
 
 /// How long a read of a lease (or of a scaled object, or a namespace) may take before the
@@ -191,7 +190,7 @@ impl WebhookMetrics {
         );
         r.register(
             "fencedlease_webhook_injections",
-            "Pod admissions at /mutate: injected, skipped, refused (bad annotations), invalid",
+            "Pod admissions at /mutate: injected, skipped, refused (bad annotations, hostNetwork pods), invalid",
             m.injections.clone(),
         );
         r.register(
@@ -220,6 +219,8 @@ struct Shared {
     metrics: WebhookMetrics,
     exemptions: Exemptions,
     health: ApiHealth,
+    /// The bytes all request bodies together may buffer.
+    budget: server::BodyBudget,
 }
 
 fn view(l: &FencedLease) -> Option<LeaseView> {
@@ -403,39 +404,25 @@ fn review_response(review: &impl serde::Serialize) -> Response {
     }
 }
 
-/// Reads a request body up to the cap, or the refusing review to answer with.
-async fn read_body(body: Body) -> Result<axum::body::Bytes, AdmissionReview<DynamicObject>> {
-    axum::body::to_bytes(body, MAX_BODY_BYTES)
-        .await
-        .map_err(|_| {
-            admission::unreadable(&format!(
-                "the body is larger than {MAX_BODY_BYTES} bytes or broken"
-            ))
-        })
-}
-
-async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
-    let started = Instant::now();
-    let (review, label) = match read_body(body).await {
-        Err(review) => (review, "invalid"),
-        Ok(bytes) => match admission::parse(&bytes, &s.exemptions) {
+impl Shared {
+    /// Parses and decides one review body at /validate.
+    async fn validate_body(&self, bytes: &[u8]) -> (AdmissionReview<DynamicObject>, &'static str) {
+        match admission::parse(bytes, &self.exemptions) {
             Parsed::Invalid(review) => (*review, "invalid"),
             Parsed::Pass(resp, why) => {
                 debug!(why, "not a protected write");
-                (
-                    resp.into_review(),
-                    if why == "exempt" { "exempt" } else { "passed" },
-                )
+                let label = if why == "exempt" { "exempt" } else { "passed" };
+                (resp.into_review(), label)
             }
             Parsed::Scale(c) => {
-                let (resp, label) = s.scale(&c).await;
+                let (resp, label) = self.scale(&c).await;
                 if !resp.allowed {
                     info!(ns = %c.namespace, name = %c.name, resource = %c.resource, result = label, "refused a write through /scale");
                 }
                 (resp.into_review(), label)
             }
             Parsed::Judge(j) => {
-                let (resp, label) = s.judge(&j).await;
+                let (resp, label) = self.judge(&j).await;
                 if !resp.allowed {
                     info!(
                         lease = %j.lease_name, ns = %j.namespace, result = label,
@@ -444,7 +431,16 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
                 }
                 (resp.into_review(), label)
             }
-        },
+        }
+    }
+}
+
+async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
+    let started = Instant::now();
+    // The guard keeps the body's bytes counted in the shared budget until the decision is made.
+    let (review, label) = match server::read_body_bounded(body, &s.budget).await {
+        Err(e) => (e.review(), "invalid"),
+        Ok((bytes, _guard)) => s.validate_body(&bytes).await,
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
     s.metrics
@@ -456,9 +452,9 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
 
 async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
-    let (review, label) = match read_body(body).await {
-        Err(review) => (review, "invalid"),
-        Ok(bytes) => inject::review(&bytes, &s.inject),
+    let (review, label) = match server::read_body_bounded(body, &s.budget).await {
+        Err(e) => (e.review(), "invalid"),
+        Ok((bytes, _guard)) => inject::review(&bytes, &s.inject),
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
     s.metrics
@@ -552,6 +548,9 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let mut registry = Registry::default();
     let metrics = WebhookMetrics::register(&mut registry);
+    let server_metrics = server::ServerMetrics::register(&mut registry);
+    let limits = server::Limits::default();
+    let budget = server::BodyBudget::new(&limits, &server_metrics);
     let ready = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         client,
@@ -564,6 +563,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         metrics,
         exemptions,
         health: ApiHealth::new(ready.clone()),
+        budget,
     });
     {
         let shared = shared.clone();
@@ -594,53 +594,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .with_state(shared);
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    info!(addr = %args.listen, "serving admission reviews over HTTPS at /validate");
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls_config);
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (tcp, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                // The API server waits on every answer: no Nagle delay on a reply that goes
-                // out in more than one write (HTTP/2 headers and data frames).
-                if let Err(e) = tcp.set_nodelay(true) {
-                    debug!(%peer, error = %e, "could not set TCP_NODELAY");
-                }
-                let acceptor = acceptor.clone();
-                let app = app.clone();
-                tokio::spawn(async move {
-                    let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
-                        Ok(Ok(t)) => t,
-                        Ok(Err(e)) => {
-                            debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => return,
-                    };
-                    let service = TowerToHyperService::new(app);
-                    if let Err(e) = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), service)
-                        .await
-                    {
-                        debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                });
-            }
-            _ = sigterm.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
-        }
-    }
+    server::serve_until_signalled(args.listen, tls_config, app, limits, server_metrics).await?;
     info!("shutting down");
     ready.store(false, Ordering::Relaxed);
     let _ = stop_tx.send(true);

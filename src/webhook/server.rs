@@ -1,0 +1,1033 @@
+//! The webhook's HTTPS server: one accept loop that bounds what a client can make the webhook
+//! hold (connections, time, bytes), so that a flood from any pod can neither push it past its
+//! memory limit nor stop it answering the API server.
+//!
+//! - Connections: at most [`Limits::max_connections`] at once and
+//!   [`Limits::max_connections_per_peer`] from one IP address; more are closed at once, unserved.
+//! - Time: a TLS handshake, a request's headers, a request's body, an idle connection and any
+//!   connection at all each have a deadline; at the last two the connection is told to finish
+//!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
+//! - Bytes: the protocol is chosen by ALPN (`h2`, else HTTP/1.1); HTTP/2 streams, header sizes
+//!   and receive windows are capped; and request bodies are read with [`read_body_bounded`],
+//!   which takes every byte it buffers from one budget shared by all requests.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::Router;
+use http_body_util::BodyExt as _;
+use hyper::body::{Body as HttpBody, Incoming};
+use hyper::service::Service as _;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use kube::core::admission::AdmissionReview;
+use kube::core::DynamicObject;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::admission;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+/// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
+pub const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
+/// What the webhook holds with no request at all: runtime, TLS and Kubernetes clients, and the
+/// FencedLease cache (without managedFields). An estimate with room: ~10 MiB with a few leases;
+/// the controller, which caches leases and pods, measured 57.6 MiB with 10,000 leases.
+pub const BASELINE_BYTES: usize = 40 * MIB;
+/// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
+pub const HEADROOM_BYTES: usize = 16 * MIB;
+/// rustls state per connection, at most: the handshake message being reassembled (64 KiB),
+/// decrypted plaintext not yet read (16 KiB), encrypted output (64 KiB), and keys.
+const TLS_STATE_BYTES: usize = 160 * KIB;
+/// HTTP/2 framing per connection: read and write frame buffers, HPACK tables.
+const CODEC_BYTES: usize = 64 * KIB;
+/// One answer in flight: an AdmissionReview response (the largest, a /mutate patch, is ~4 KiB).
+const ANSWER_BYTES: usize = 16 * KIB;
+/// One request's task and service future.
+const TASK_BYTES: usize = 8 * KIB;
+
+/// Everything the HTTPS server bounds, defined once. The defaults fit the chart's 128 MiB:
+///
+/// One connection can make the webhook hold at most ([`Limits::connection_bytes`]):
+/// - kernel receive queue, 2 x `socket_receive_buffer_bytes` (Linux doubles SO_RCVBUF for its
+///   bookkeeping; socket memory is charged to the pod's cgroup): 2 x 64 KiB = 128 KiB;
+/// - TLS state, 160 KiB; HTTP/2 framing, 64 KiB;
+/// - per stream (`max_concurrent_streams` = 8): its request bytes received but not yet read
+///   (its receive window, 32 KiB), its headers (16 KiB), its answer (16 KiB) and its task
+///   (8 KiB): 8 x 72 KiB = 576 KiB;
+///
+/// together 928 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
+///
+/// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
+/// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
+/// - 32 connections x 928 KiB = 29 MiB;
+/// - request bodies: the 16 MiB budget, and as much again for judging them (the guard of
+///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB;
+///
+/// = 101 MiB, which leaves 27 MiB of the 128 MiB limit for what this does not see (more than
+/// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once; more are closed at once, unserved. The API server keeps one
+    /// HTTP/2 connection per replica and opens more only beyond 8 admissions in flight on it.
+    pub max_connections: usize,
+    /// Connections from one IP address at once, so that one pod cannot take every slot from
+    /// the API server.
+    pub max_connections_per_peer: usize,
+    /// A TLS handshake not finished by then is dropped.
+    pub tls_handshake_timeout: Duration,
+    /// HTTP/1: a request whose headers have not all arrived by then closes the connection
+    /// (also between keep-alive requests).
+    pub header_read_timeout: Duration,
+    /// A connection with no request in flight for this long is told to finish.
+    pub idle_timeout: Duration,
+    /// No connection lives longer: it is told to finish, however busy.
+    pub max_connection_age: Duration,
+    /// How long a connection that was told to finish (idle, too old, shutdown) may take to
+    /// answer what it has in flight before it is dropped.
+    pub shutdown_grace: Duration,
+    /// HTTP/2 streams (requests) in flight on one connection.
+    pub max_concurrent_streams: u32,
+    /// Headers of one request: HTTP/2 header list size; HTTP/1 read buffer (which the
+    /// headers must fit). At least 8 KiB (hyper's minimum for HTTP/1).
+    pub max_header_bytes: u32,
+    /// HTTP/2 receive window of a stream: what a client may send on it before the server
+    /// reads it. The connection's window is that of all its streams together, so that streams
+    /// waiting for body budget cannot use up the window of the one being read.
+    pub h2_stream_window_bytes: u32,
+    /// SO_RCVBUF of every accepted socket: what the kernel queues before the server reads it.
+    pub socket_receive_buffer_bytes: u32,
+    /// HTTP/2 pings on a connection at this interval; no answer within the timeout closes it.
+    pub h2_keep_alive_interval: Duration,
+    pub h2_keep_alive_timeout: Duration,
+    /// The largest request body read (an AdmissionReview holds the object twice).
+    pub max_body_bytes: usize,
+    /// Request body bytes all requests together may buffer.
+    pub body_budget_bytes: usize,
+    /// A request body must have arrived whole this long after its reading began (within it,
+    /// waiting for budget too).
+    pub body_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 32,
+            max_connections_per_peer: 16,
+            tls_handshake_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            max_connection_age: Duration::from_secs(600),
+            shutdown_grace: Duration::from_secs(10),
+            max_concurrent_streams: 8,
+            max_header_bytes: 16 * 1024,
+            h2_stream_window_bytes: 32 * 1024,
+            socket_receive_buffer_bytes: 64 * 1024,
+            h2_keep_alive_interval: Duration::from_secs(20),
+            h2_keep_alive_timeout: Duration::from_secs(10),
+            max_body_bytes: admission::MAX_BODY_BYTES,
+            body_budget_bytes: 2 * admission::MAX_BODY_BYTES,
+            body_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Limits {
+    /// The most one connection can make the webhook hold, request bodies aside (see [`Limits`]).
+    pub fn connection_bytes(&self) -> usize {
+        let per_stream = self.h2_stream_window_bytes as usize
+            + self.max_header_bytes as usize
+            + ANSWER_BYTES
+            + TASK_BYTES;
+        2 * self.socket_receive_buffer_bytes as usize
+            + TLS_STATE_BYTES
+            + CODEC_BYTES
+            + self.max_concurrent_streams as usize * per_stream
+    }
+
+    /// The HTTP/2 receive window of a connection: the sum of its streams' windows.
+    fn h2_connection_window_bytes(&self) -> u32 {
+        self.h2_stream_window_bytes
+            .saturating_mul(self.max_concurrent_streams.max(1))
+    }
+
+    /// The most the webhook can hold with every bound reached at once (see [`Limits`]).
+    pub fn worst_case_bytes(&self) -> usize {
+        BASELINE_BYTES + self.max_connections * self.connection_bytes() + 2 * self.body_budget_bytes
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// What the server's bounds did, for Prometheus. `reason` is one of a fixed set of words.
+#[derive(Clone, Debug, Default)]
+pub struct ServerMetrics {
+    open: Gauge,
+    refused: Family<ReasonLabel, Counter>,
+    closed: Family<ReasonLabel, Counter>,
+    buffered: Gauge,
+    bodies_refused: Family<ReasonLabel, Counter>,
+}
+
+impl ServerMetrics {
+    pub fn register(r: &mut Registry) -> ServerMetrics {
+        let m = ServerMetrics::default();
+        r.register(
+            "fencedlease_webhook_connections_open",
+            "HTTPS connections being served",
+            m.open.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_connections_refused",
+            "Connections closed at once, unserved: server_full (max connections reached), peer_full (max connections from that address)",
+            m.refused.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_connections_closed",
+            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown, grace_expired (dropped with requests in flight)",
+            m.closed.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_body_bytes_held",
+            "Bytes of the request body budget held now by bodies being read or judged (at most the budget)",
+            m.buffered.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_bodies_refused",
+            "Request bodies refused: too_large, broken, no_budget (the budget stayed spent), too_slow",
+            m.bodies_refused.clone(),
+        );
+        m
+    }
+
+    fn closed(&self, reason: &'static str) {
+        self.closed.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}
+
+/// Why a request body was not read; answered with [`BodyError::review`].
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the body is larger than {max} bytes, the most this webhook reads")]
+    TooLarge { max: usize },
+    #[error("the body could not be read ({0}); send it again")]
+    Broken(String),
+    #[error("the webhook is already buffering as many request bytes as it may ({budget}); retry shortly")]
+    NoBudget { budget: usize },
+    #[error("the body did not arrive within {0:?}; send it faster")]
+    TooSlow(Duration),
+}
+
+impl BodyError {
+    /// The refusing AdmissionReview to answer with.
+    pub fn review(&self) -> AdmissionReview<DynamicObject> {
+        admission::unreadable(&self.to_string())
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            BodyError::TooLarge { .. } => "too_large",
+            BodyError::Broken(_) => "broken",
+            BodyError::NoBudget { .. } => "no_budget",
+            BodyError::TooSlow(_) => "too_slow",
+        }
+    }
+}
+
+/// The bytes all request bodies together may buffer ([`Limits::body_budget_bytes`]), shared
+/// by every request; read bodies with [`read_body_bounded`].
+#[derive(Clone, Debug)]
+pub struct BodyBudget {
+    bytes: Arc<Semaphore>,
+    total: usize,
+    max_body: usize,
+    timeout: Duration,
+    metrics: ServerMetrics,
+}
+
+impl BodyBudget {
+    pub fn new(limits: &Limits, metrics: &ServerMetrics) -> BodyBudget {
+        let total = limits.body_budget_bytes.min(Semaphore::MAX_PERMITS);
+        BodyBudget {
+            bytes: Arc::new(Semaphore::new(total)),
+            total,
+            max_body: limits.max_body_bytes,
+            timeout: limits.body_timeout,
+            metrics: metrics.clone(),
+        }
+    }
+
+    /// Bytes of the budget not held by any request now.
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    /// Takes `bytes` of the budget, waiting until `deadline`.
+    async fn take(&self, bytes: usize, deadline: Instant) -> Result<Held, BodyError> {
+        let no_budget = BodyError::NoBudget { budget: self.total };
+        let n = match u32::try_from(bytes) {
+            Ok(n) if bytes <= self.total => n,
+            _ => return Err(no_budget), // more than it could ever get
+        };
+        match tokio::time::timeout_at(deadline, self.bytes.clone().acquire_many_owned(n)).await {
+            Ok(Ok(permit)) => {
+                self.metrics.buffered.inc_by(i64::from(n));
+                Ok(Held {
+                    permit,
+                    gauge: self.metrics.buffered.clone(),
+                })
+            }
+            Ok(Err(_)) | Err(_) => Err(no_budget),
+        }
+    }
+}
+
+/// A part of the budget, given back when dropped.
+#[derive(Debug)]
+struct Held {
+    permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let n = i64::try_from(self.permit.num_permits()).unwrap_or(i64::MAX);
+        self.gauge.dec_by(n);
+    }
+}
+
+/// The budget a read body holds; drop it when the judgement of the body is done.
+#[derive(Debug)]
+pub struct BudgetGuard(Held);
+
+impl BudgetGuard {
+    /// Bytes of the budget held (the body buffer's capacity).
+    pub fn bytes(&self) -> usize {
+        self.0.permit.num_permits()
+    }
+}
+
+/// Reads a request body whole, within [`Limits::max_body_bytes`] and
+/// [`Limits::body_timeout`], having first taken from the shared budget all the body may
+/// become (its Content-Length, or the cap). The guard holds that budget: keep it until the
+/// judgement of the body is done. Refusals ([`BodyError::review`]) say what to do next.
+pub async fn read_body_bounded<B>(
+    body: B,
+    budget: &BodyBudget,
+) -> Result<(Bytes, BudgetGuard), BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let read = read_within(body, budget).await;
+    if let Err(e) = &read {
+        debug!(error = %e, "refused a request body");
+        budget
+            .metrics
+            .bodies_refused
+            .get_or_create(&ReasonLabel { reason: e.label() })
+            .inc();
+    }
+    read
+}
+
+async fn read_within<B>(body: B, budget: &BodyBudget) -> Result<(Bytes, BudgetGuard), BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let max = budget.max_body;
+    if body.size_hint().lower() > max as u64 {
+        return Err(BodyError::TooLarge { max });
+    }
+    // All the body may become (its declared length, or the cap) is taken from the budget at
+    // once, before any of it is read: a request never holds part of the budget while it waits
+    // for more. Taken frame by frame, requests holding part of their bodies waited on each
+    // other until all their deadlines passed (32 bodies of 400 KiB on a 1 MiB budget: none
+    // read). Until it has budget, the client waits on flow control (HTTP/2) or TCP (HTTP/1);
+    // capacity not yet filled costs budget, not memory.
+    let ceiling = body
+        .size_hint()
+        .exact()
+        .and_then(|d| usize::try_from(d).ok())
+        .map_or(max, |d| d.min(max));
+    let deadline = Instant::now() + budget.timeout;
+    let held = budget.take(ceiling, deadline).await?;
+    let mut buf: Vec<u8> = Vec::with_capacity(ceiling);
+    let mut body = std::pin::pin!(body);
+    loop {
+        let data = match tokio::time::timeout_at(deadline, body.as_mut().frame()).await {
+            Err(_) => return Err(BodyError::TooSlow(budget.timeout)),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(BodyError::Broken(e.to_string())),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue, // trailers: not part of the review
+            },
+        };
+        let need = buf.len() + data.len();
+        if need > max {
+            return Err(BodyError::TooLarge { max });
+        }
+        if need > ceiling {
+            return Err(BodyError::Broken(format!(
+                "it is longer than the {ceiling} bytes it declared"
+            )));
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok((Bytes::from(buf), BudgetGuard(held)))
+}
+
+/// Why the server ends a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    Idle,
+    MaxAge,
+    Shutdown,
+}
+
+impl End {
+    fn label(self) -> &'static str {
+        match self {
+            End::Idle => "idle",
+            End::MaxAge => "max_age",
+            End::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Completes once no request has been in flight for `timeout` (`busy` counts them).
+async fn idle(busy: &mut watch::Receiver<usize>, timeout: Duration) {
+    loop {
+        if *busy.borrow_and_update() == 0 {
+            match tokio::time::timeout(timeout, busy.changed()).await {
+                Err(_) => return,
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => std::future::pending::<()>().await, // the connection is gone
+            }
+        } else if busy.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// When (and why) the server ends a connection that began at `born`.
+async fn until_end(
+    mut busy: watch::Receiver<usize>,
+    mut stop: watch::Receiver<bool>,
+    limits: &Limits,
+    born: Instant,
+) -> End {
+    tokio::select! {
+        _ = idle(&mut busy, limits.idle_timeout) => End::Idle,
+        _ = tokio::time::sleep_until(born + limits.max_connection_age) => End::MaxAge,
+        _ = stop.wait_for(|s| *s) => End::Shutdown,
+    }
+}
+
+/// Counts a request in flight on its connection while it lives.
+struct Busy(Arc<watch::Sender<usize>>);
+
+impl Busy {
+    fn enter(busy: &Arc<watch::Sender<usize>>) -> Busy {
+        busy.send_modify(|n| *n += 1);
+        Busy(busy.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// The connection slots of each peer address.
+#[derive(Clone, Debug)]
+struct PeerSlots {
+    max: usize,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// A peer's slot, given back when dropped.
+struct PeerSlot {
+    ip: IpAddr,
+    slots: PeerSlots,
+}
+
+impl PeerSlots {
+    fn new(max: usize) -> PeerSlots {
+        PeerSlots {
+            max,
+            open: Arc::default(),
+        }
+    }
+
+    fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
+        let ip = ip.to_canonical(); // an IPv4 peer on a dual-stack socket is still that peer
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.get(&ip).copied().unwrap_or(0);
+        if n >= self.max {
+            return None;
+        }
+        open.insert(ip, n + 1);
+        Some(PeerSlot {
+            ip,
+            slots: self.clone(),
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.slots.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// What one connection holds of the server's capacity, given back when dropped.
+struct Slot {
+    _server: OwnedSemaphorePermit,
+    _peer: PeerSlot,
+    open: Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+/// What every connection task shares.
+struct Ctx {
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: Router,
+    h1: auto::Builder<TokioExecutor>,
+    h2: auto::Builder<TokioExecutor>,
+    limits: Limits,
+    metrics: ServerMetrics,
+}
+
+/// The HTTP server of one protocol, with every bound of `limits` that hyper enforces.
+fn http_builder(limits: &Limits, h2: bool) -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size((limits.max_header_bytes as usize).max(8 * KIB))
+        .keep_alive(true);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .max_header_list_size(limits.max_header_bytes)
+        .initial_stream_window_size(limits.h2_stream_window_bytes)
+        .initial_connection_window_size(limits.h2_connection_window_bytes())
+        .adaptive_window(false)
+        .keep_alive_interval(limits.h2_keep_alive_interval)
+        .keep_alive_timeout(limits.h2_keep_alive_timeout);
+    // Chosen by ALPN, not by sniffing the first bytes: a client that says nothing after the
+    // handshake then meets the HTTP/1 header timeout or the idle timeout.
+    if h2 {
+        b.http2_only()
+    } else {
+        b.http1_only()
+    }
+}
+
+/// Serves one accepted connection within the limits; `slot` is given back when it ends.
+async fn connection(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    ctx: Arc<Ctx>,
+    stop: watch::Receiver<bool>,
+    slot: Slot,
+) {
+    let _slot = slot;
+    let born = Instant::now();
+    let limits = &ctx.limits;
+    let tls =
+        match tokio::time::timeout(limits.tls_handshake_timeout, ctx.acceptor.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                debug!(%peer, error = %e, "TLS handshake failed");
+                return ctx.metrics.closed("tls_failed");
+            }
+            Err(_) => return ctx.metrics.closed("tls_timeout"),
+        };
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+    let (busy_tx, busy_rx) = watch::channel(0usize);
+    let busy = Arc::new(busy_tx);
+    let app = TowerToHyperService::new(ctx.app.clone());
+    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        let busy = Busy::enter(&busy);
+        let answer = app.call(req);
+        async move {
+            let answered = answer.await;
+            drop(busy);
+            answered
+        }
+    });
+    let builder = if h2 { &ctx.h2 } else { &ctx.h1 };
+    let conn = builder.serve_connection(TokioIo::new(tls), service);
+    tokio::pin!(conn);
+    let end = tokio::select! {
+        done = conn.as_mut() => return ended(&ctx.metrics, peer, done),
+        end = until_end(busy_rx, stop, limits, born) => end,
+    };
+    debug!(%peer, reason = end.label(), "ending the connection");
+    ctx.metrics.closed(end.label());
+    conn.as_mut().graceful_shutdown();
+    match tokio::time::timeout(limits.shutdown_grace, conn).await {
+        Ok(done) => ended(&ctx.metrics, peer, done),
+        Err(_) => ctx.metrics.closed("grace_expired"),
+    }
+}
+
+/// Notes how a connection ended by itself.
+fn ended(
+    metrics: &ServerMetrics,
+    peer: SocketAddr,
+    done: Result<(), Box<dyn std::error::Error + Send + Sync>>,
+) {
+    if let Err(e) = done {
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+        {
+            metrics.closed("header_timeout");
+        }
+        debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+/// Binds the HTTPS listener, every accepted socket with the receive buffer of `limits`.
+pub fn bind(addr: SocketAddr, limits: &Limits) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_recv_buffer_size(limits.socket_receive_buffer_bytes)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Serves `app` over TLS on `listener` within `limits` until `stop` completes; then tells every
+/// connection to finish and waits for them (at most the handshake timeout and the grace).
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    limits: Limits,
+    metrics: ServerMetrics,
+    stop: impl Future<Output = ()>,
+) {
+    let max = limits.max_connections.min(Semaphore::MAX_PERMITS);
+    let slots = Arc::new(Semaphore::new(max));
+    let peers = PeerSlots::new(limits.max_connections_per_peer);
+    let ctx = Arc::new(Ctx {
+        acceptor: tokio_rustls::TlsAcceptor::from(tls),
+        app,
+        h1: http_builder(&limits, false),
+        h2: http_builder(&limits, true),
+        limits,
+        metrics,
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(stop);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(server) = slots.clone().try_acquire_owned() else {
+            ctx.metrics.refused("server_full");
+            continue; // dropping the connection closes it
+        };
+        let Some(peer_slot) = peers.take(peer.ip()) else {
+            ctx.metrics.refused("peer_full");
+            continue;
+        };
+        ctx.metrics.open.inc();
+        let slot = Slot {
+            _server: server,
+            _peer: peer_slot,
+            open: ctx.metrics.open.clone(),
+        };
+        // The API server waits on every answer: no Nagle delay on a reply that goes out in
+        // more than one write (HTTP/2 headers and data frames).
+        if let Err(e) = tcp.set_nodelay(true) {
+            debug!(%peer, error = %e, "could not set TCP_NODELAY");
+        }
+        tokio::spawn(connection(tcp, peer, ctx.clone(), stop_rx.clone(), slot));
+    }
+    drop(listener);
+    let open = max - slots.available_permits();
+    info!(open, "stopped accepting; finishing the open connections");
+    let _ = stop_tx.send(true);
+    let all = u32::try_from(max).unwrap_or(u32::MAX);
+    let wait = ctx
+        .limits
+        .tls_handshake_timeout
+        .max(ctx.limits.shutdown_grace);
+    if tokio::time::timeout(wait, slots.acquire_many(all))
+        .await
+        .is_err()
+    {
+        let left = max - slots.available_permits();
+        warn!(left, "connections still open at shutdown are dropped");
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("binding {addr}: {source} (is another process listening there?)")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("installing the SIGTERM handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// Binds `addr` and serves `app` within `limits` until SIGTERM or ctrl-c.
+pub async fn serve_until_signalled(
+    addr: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    limits: Limits,
+    metrics: ServerMetrics,
+) -> Result<(), ServeError> {
+    let listener = bind(addr, &limits).map_err(|source| ServeError::Bind { addr, source })?;
+    info!(%addr, "serving admission reviews over HTTPS at /validate");
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(ServeError::Signal)?;
+    let stop = async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    serve(listener, tls, app, limits, metrics, stop).await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Context, Poll};
+
+    use futures::StreamExt as _;
+    use http_body_util::{Full, StreamBody};
+    use hyper::body::Frame;
+
+    use super::*;
+
+    type Frames = Pin<Box<dyn futures::Stream<Item = Result<Frame<Bytes>, String>> + Send>>;
+
+    /// A body of `frames` frames of `size` bytes, one every `every`, declaring its length or not.
+    fn trickle(frames: usize, size: usize, every: Duration, declare: bool) -> Sized_ {
+        let stream: Frames = Box::pin(futures::stream::iter(0..frames).then(move |_| async move {
+            tokio::time::sleep(every).await;
+            Ok(Frame::data(Bytes::from(vec![b'x'; size])))
+        }));
+        Sized_ {
+            inner: StreamBody::new(stream),
+            declared: declare.then_some((frames * size) as u64),
+        }
+    }
+
+    /// A stream body with a declared length (as hyper gives one for a Content-Length).
+    struct Sized_ {
+        inner: StreamBody<Frames>,
+        declared: Option<u64>,
+    }
+
+    impl HttpBody for Sized_ {
+        type Data = Bytes;
+        type Error = String;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, String>>> {
+            Pin::new(&mut self.inner).poll_frame(cx)
+        }
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            self.declared.map_or_else(
+                hyper::body::SizeHint::default,
+                hyper::body::SizeHint::with_exact,
+            )
+        }
+    }
+
+    /// Bytes taken off bodies and not yet given back, and the most there ever were.
+    #[derive(Default)]
+    struct Meter {
+        now: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    /// A body that adds every byte taken from it to a meter (and to its own tally).
+    struct Counted<B> {
+        inner: B,
+        meter: Arc<Meter>,
+        tally: Arc<AtomicUsize>,
+    }
+
+    impl<B: HttpBody<Data = Bytes> + Unpin> HttpBody for Counted<B> {
+        type Data = Bytes;
+        type Error = B::Error;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+            let polled = Pin::new(&mut self.inner).poll_frame(cx);
+            if let Poll::Ready(Some(Ok(f))) = &polled {
+                let n = f.data_ref().map_or(0, Bytes::len);
+                self.tally.fetch_add(n, Ordering::SeqCst);
+                let now = self.meter.now.fetch_add(n, Ordering::SeqCst) + n;
+                self.meter.peak.fetch_max(now, Ordering::SeqCst);
+            }
+            polled
+        }
+        fn size_hint(&self) -> hyper::body::SizeHint {
+            self.inner.size_hint()
+        }
+    }
+
+    fn limits(budget: usize, max_body: usize, timeout: Duration) -> Limits {
+        Limits {
+            body_budget_bytes: budget,
+            max_body_bytes: max_body,
+            body_timeout: timeout,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn the_defaults_fit_the_charts_memory_limit_with_room() {
+        let l = Limits::default();
+        assert!(
+            l.worst_case_bytes() + HEADROOM_BYTES <= CHART_MEMORY_LIMIT_BYTES,
+            "worst case {} MiB",
+            l.worst_case_bytes() / MIB
+        );
+        // Two bodies of the largest size can be read at once.
+        assert!(l.body_budget_bytes >= 2 * l.max_body_bytes);
+        // The chart's limit is the one this arithmetic is for.
+        let values: serde_json::Value =
+            serde_yaml_ng::from_str(include_str!("../../charts/fencedlease/values.yaml"))
+                .expect("values.yaml");
+        assert_eq!(values["webhook"]["resources"]["limits"]["memory"], "128Mi");
+        assert_eq!(CHART_MEMORY_LIMIT_BYTES, 128 * MIB);
+    }
+
+    #[test]
+    fn each_peer_address_gets_its_own_slots() {
+        let peers = PeerSlots::new(2);
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let a6: IpAddr = "::ffff:10.0.0.1".parse().expect("ip");
+        let b: IpAddr = "10.0.0.2".parse().expect("ip");
+        let first = peers.take(a).expect("a slot");
+        let second = peers.take(a6).expect("a slot"); // the same peer, seen over IPv6
+        assert!(peers.take(a).is_none(), "a third connection from one peer");
+        assert!(peers.take(b).is_some(), "another peer");
+        drop(first);
+        assert!(peers.take(a).is_some(), "a slot given back");
+        drop(second);
+        assert!(peers.open.lock().expect("lock").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_within_its_declared_length() {
+        let budget = BodyBudget::new(&Limits::default(), &ServerMetrics::default());
+        let body = Full::new(Bytes::from_static(b"{\"kind\":\"AdmissionReview\"}"));
+        let (bytes, first) = read_body_bounded(body, &budget).await.expect("read");
+        assert_eq!(&bytes[..], b"{\"kind\":\"AdmissionReview\"}");
+        assert_eq!(first.bytes(), bytes.len());
+        let (bytes, guard) = read_body_bounded(trickle(100, 1000, Duration::ZERO, false), &budget)
+            .await
+            .expect("read");
+        assert_eq!(bytes.len(), 100_000);
+        // No length declared: it took all a body may be, once it began to arrive.
+        assert_eq!(guard.bytes(), Limits::default().max_body_bytes);
+        drop((guard, first));
+        assert_eq!(budget.available(), Limits::default().body_budget_bytes);
+    }
+
+    #[tokio::test]
+    async fn too_large_bodies_are_refused_declared_or_not() {
+        let budget = BodyBudget::new(
+            &limits(MIB, 64 * KIB, Duration::from_secs(5)),
+            &ServerMetrics::default(),
+        );
+        let declared = read_body_bounded(trickle(65, KIB, Duration::ZERO, true), &budget).await;
+        assert!(matches!(declared, Err(BodyError::TooLarge { max }) if max == 64 * KIB));
+        let streamed = read_body_bounded(trickle(65, KIB, Duration::ZERO, false), &budget).await;
+        assert!(matches!(streamed, Err(BodyError::TooLarge { .. })));
+        let fits = read_body_bounded(trickle(64, KIB, Duration::ZERO, false), &budget).await;
+        assert_eq!(fits.expect("64 KiB fits").0.len(), 64 * KIB);
+        assert_eq!(budget.available(), MIB);
+    }
+
+    /// Whether `elapsed` is `expected`, give or take a busy machine.
+    fn about(elapsed: Duration, expected: Duration) -> bool {
+        elapsed >= expected && elapsed < expected + Duration::from_secs(1)
+    }
+
+    #[tokio::test]
+    async fn a_trickled_body_is_refused_when_its_time_is_up() {
+        let metrics = ServerMetrics::default();
+        let timeout = Duration::from_millis(300);
+        let budget = BodyBudget::new(&limits(MIB, 64 * KIB, timeout), &metrics);
+        let started = Instant::now();
+        let slow =
+            read_body_bounded(trickle(60, 1, Duration::from_millis(50), true), &budget).await;
+        assert!(matches!(slow, Err(BodyError::TooSlow(_))), "{slow:?}");
+        assert!(about(started.elapsed(), timeout), "{:?}", started.elapsed());
+        assert_eq!(budget.available(), MIB);
+        let review = slow.expect_err("an error").review();
+        let resp = review.response.expect("a response");
+        assert!(!resp.allowed);
+        assert!(
+            resp.result.message.contains("did not arrive within 300ms"),
+            "{}",
+            resp.result.message
+        );
+        assert_eq!(
+            metrics
+                .bodies_refused
+                .get_or_create(&ReasonLabel { reason: "too_slow" })
+                .get(),
+            1
+        );
+        assert_eq!(metrics.buffered.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_cannot_get_budget_is_refused_at_its_deadline() {
+        let timeout = Duration::from_millis(300);
+        let budget = BodyBudget::new(
+            &limits(64 * KIB, 32 * KIB, timeout),
+            &ServerMetrics::default(),
+        );
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let body = trickle(16, KIB, Duration::ZERO, true);
+            held.push(read_body_bounded(body, &budget).await.expect("16 KiB").1);
+        }
+        assert_eq!(budget.available(), 0);
+        let started = Instant::now();
+        let starved = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget).await;
+        assert!(
+            matches!(starved, Err(BodyError::NoBudget { .. })),
+            "{starved:?}"
+        );
+        assert!(about(started.elapsed(), timeout), "{:?}", started.elapsed());
+        held.pop();
+        let fed = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget).await;
+        assert_eq!(fed.expect("budget given back").0.len(), KIB);
+    }
+
+    /// One request of the parallel test: reads, holds its body a while, gives it all back.
+    async fn judge(body: Sized_, budget: BodyBudget, meter: Arc<Meter>) -> Result<(), BodyError> {
+        let tally = Arc::new(AtomicUsize::new(0));
+        let counted = Counted {
+            inner: body,
+            meter: meter.clone(),
+            tally: tally.clone(),
+        };
+        let read = read_body_bounded(counted, &budget).await;
+        if let Ok((_bytes, _guard)) = &read {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // No await between the budget given back and the meter: exact on this one thread.
+        meter
+            .now
+            .fetch_sub(tally.load(Ordering::SeqCst), Ordering::SeqCst);
+        read.map(|_| ())
+    }
+
+    /// Reads `n` bodies of 400 KiB (16 KiB frames) at once on a 1 MiB budget; returns how
+    /// many were read and the most bytes taken off them at once.
+    async fn read_in_parallel(n: usize, declare: bool) -> (usize, usize) {
+        let budget = BodyBudget::new(
+            &limits(MIB, 512 * KIB, Duration::from_secs(5)),
+            &ServerMetrics::default(),
+        );
+        let meter = Arc::new(Meter::default());
+        let reads: Vec<_> = (0..n)
+            .map(|_| {
+                let body = trickle(25, 16 * KIB, Duration::from_millis(1), declare);
+                tokio::spawn(judge(body, budget.clone(), meter.clone()))
+            })
+            .collect();
+        let mut ok = 0;
+        for r in reads {
+            match r.await.expect("join") {
+                Ok(()) => ok += 1,
+                Err(BodyError::NoBudget { .. } | BodyError::TooSlow(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(budget.available(), MIB, "budget not given back");
+        assert_eq!(meter.now.load(Ordering::SeqCst), 0);
+        (ok, meter.peak.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn parallel_bodies_never_take_more_bytes_than_the_budget() {
+        // As the API server sends them: with a Content-Length. All are read, in turn.
+        let (ok, peak) = read_in_parallel(32, true).await;
+        assert!(
+            peak <= MIB,
+            "{peak} bytes taken at once, over the 1 MiB budget"
+        );
+        assert!(
+            peak > MIB / 2,
+            "the test did not press on the budget: peak {peak}"
+        );
+        assert_eq!(ok, 32, "bodies with a declared length wait their turn");
+        // Without: each takes the cap (512 KiB) before reading, so two are read at a time.
+        let (ok, peak) = read_in_parallel(8, false).await;
+        assert!(
+            peak <= MIB,
+            "{peak} bytes taken at once, over the 1 MiB budget"
+        );
+        assert_eq!(ok, 8, "bodies of unknown length wait their turn too");
+    }
+}

@@ -1,0 +1,596 @@
+//! The webhook's HTTPS server keeps its bounds under a flood and still answers the API server:
+//! surplus connections are closed at once, silent and slow ones by their timeouts, bodies stay
+//! within the shared byte budget, and shutdown lets requests in flight finish.
+//!
+//! Everything runs in this process on loopback (127.0.0.1 is "the API server", 127.0.0.2 and
+//! 127.0.0.3 are other pods); no cluster is needed. One thread per test (`#[tokio::test]`),
+//! so that the byte meter below is exact: nothing runs between a request giving its budget
+//! back and the meter hearing of it.
+
+use std::future::Future as _;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::routing::get;
+use axum::Router;
+use fencedlease::webhook::server::{self, BodyBudget, Limits, ServerMetrics};
+use fencedlease::webhook::tls;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use prometheus_client::registry::Registry;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_rustls::client::TlsStream;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+/// Bytes taken off request bodies and not yet given back, and the most there ever were.
+#[derive(Default)]
+struct Meter {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// A request body that adds every byte taken from it to a meter (and to its own tally).
+struct Counted {
+    inner: Body,
+    meter: Arc<Meter>,
+    tally: Arc<AtomicUsize>,
+}
+
+impl HttpBody for Counted {
+    type Data = Bytes;
+    type Error = axum::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(f))) = &polled {
+            let n = f.data_ref().map_or(0, Bytes::len);
+            self.tally.fetch_add(n, Ordering::SeqCst);
+            let now = self.meter.now.fetch_add(n, Ordering::SeqCst) + n;
+            self.meter.peak.fetch_max(now, Ordering::SeqCst);
+        }
+        polled
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[derive(Clone)]
+struct App {
+    budget: BodyBudget,
+    meter: Arc<Meter>,
+    /// How long a read body is "judged" (its budget held).
+    hold: Duration,
+}
+
+/// A stand-in for /validate: reads the body as the webhook does, holds it a while, answers
+/// "read N" or the refusing AdmissionReview.
+async fn validate(State(app): State<App>, body: Body) -> String {
+    let tally = Arc::new(AtomicUsize::new(0));
+    let counted = Counted {
+        inner: body,
+        meter: app.meter.clone(),
+        tally: tally.clone(),
+    };
+    let read = server::read_body_bounded(counted, &app.budget).await;
+    let answer = match &read {
+        Ok((bytes, _guard)) => {
+            tokio::time::sleep(app.hold).await;
+            format!("read {}", bytes.len())
+        }
+        Err(e) => serde_json::to_string(&e.review()).expect("a review encodes"),
+    };
+    app.meter
+        .now
+        .fetch_sub(tally.load(Ordering::SeqCst), Ordering::SeqCst);
+    drop(read); // the body and its budget, with no await since the meter heard of it
+    answer
+}
+
+/// A webhook server on a free loopback port, with its metrics and the client's trust.
+struct TestServer {
+    addr: SocketAddr,
+    roots: Arc<rustls::RootCertStore>,
+    registry: Registry,
+    meter: Arc<Meter>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+/// A serving certificate for 127.0.0.1 and a client trust store that holds its CA.
+fn certificates() -> (Arc<rustls::ServerConfig>, Arc<rustls::RootCertStore>) {
+    let g = tls::generate(&["127.0.0.1".to_string()], None).expect("certificates");
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(g.cert.as_bytes())
+        .collect::<Result<_, _>>()
+        .expect("certificate PEM");
+    let key = PrivateKeyDer::from_pem_slice(g.key.as_bytes()).expect("key PEM");
+    let signing = rustls::crypto::ring::default_provider()
+        .key_provider
+        .load_private_key(key)
+        .expect("signing key");
+    let cert = tls::ReloadingCert::new(rustls::sign::CertifiedKey::new(chain, signing));
+    let config = Arc::new(tls::server_config(cert).expect("server config"));
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(g.ca_cert.as_bytes()).expect("CA PEM"))
+        .expect("CA");
+    (config, Arc::new(roots))
+}
+
+impl TestServer {
+    async fn start(limits: Limits, hold: Duration) -> TestServer {
+        let (config, roots) = certificates();
+        let mut registry = Registry::default();
+        let metrics = ServerMetrics::register(&mut registry);
+        let meter = Arc::new(Meter::default());
+        let app = Router::new()
+            .route("/validate", axum::routing::post(validate))
+            .route("/livez", get(|| async { "ok" }))
+            .with_state(App {
+                budget: BodyBudget::new(&limits, &metrics),
+                meter: meter.clone(),
+                hold,
+            });
+        let listener =
+            server::bind("127.0.0.1:0".parse().expect("address"), &limits).expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server::serve(
+            listener,
+            config,
+            app,
+            limits,
+            metrics,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        TestServer {
+            addr,
+            roots,
+            registry,
+            meter,
+            stop: Some(stop),
+            serving,
+        }
+    }
+
+    /// The value of one metric sample, e.g. `fencedlease_webhook_connections_open`.
+    fn metric(&self, sample: &str) -> f64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("encode");
+        text.lines()
+            .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn closed(&self, reason: &str) -> f64 {
+        self.metric(&format!(
+            "fencedlease_webhook_connections_closed_total{{reason=\"{reason}\"}}"
+        ))
+    }
+
+    /// A TCP connection from `ip` (any 127.0.0.0/8 address is this host).
+    async fn tcp_from(&self, ip: &str) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(format!("{ip}:0").parse().expect("address"))
+            .expect("bind the client");
+        socket.connect(self.addr).await.expect("connect")
+    }
+
+    /// A TLS connection from `ip` offering `alpn` (b"h2" or b"http/1.1").
+    async fn tls_from(&self, ip: &str, alpn: &[u8]) -> TlsStream<TcpStream> {
+        self.try_tls_from(ip, alpn).await.expect("TLS handshake")
+    }
+
+    async fn try_tls_from(&self, ip: &str, alpn: &[u8]) -> std::io::Result<TlsStream<TcpStream>> {
+        let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(self.roots.clone())
+        .with_no_client_auth();
+        config.alpn_protocols = vec![alpn.to_vec()];
+        let tcp = self.tcp_from(ip).await;
+        let name = ServerName::try_from("127.0.0.1").expect("name");
+        tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+    }
+
+    /// An HTTP/2 connection from `ip`, as the API server keeps one.
+    async fn h2_from<B>(&self, ip: &str) -> hyper::client::conn::http2::SendRequest<B>
+    where
+        B: HttpBody<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let tls = self.tls_from(ip, b"h2").await;
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                .await
+                .expect("HTTP/2 handshake");
+        tokio::spawn(conn);
+        send
+    }
+
+    /// Stops the server; returns how long it took to return.
+    async fn stop(mut self) -> Duration {
+        let started = Instant::now();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(30), &mut self.serving)
+            .await
+            .expect("the server returned")
+            .expect("join");
+        started.elapsed()
+    }
+}
+
+/// POSTs `body` to /validate; the answer's text.
+async fn post<B>(send: &mut hyper::client::conn::http2::SendRequest<B>, body: B) -> String
+where
+    B: HttpBody<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    send.ready().await.expect("connection ready");
+    let req = hyper::Request::post("https://127.0.0.1/validate")
+        .header("content-type", "application/json")
+        .body(body)
+        .expect("request");
+    let resp = send.send_request(req).await.expect("an answer");
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("answer body")
+        .to_bytes();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn review(n: usize) -> Full<Bytes> {
+    Full::new(Bytes::from(vec![b' '; n]))
+}
+
+/// Whether the peer closed `s` (end of stream or error) before `deadline`.
+async fn closed_by(s: &mut (impl AsyncRead + Unpin), deadline: Instant) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Everything `s` sends until it closes or `deadline`.
+async fn read_until_closed(s: &mut (impl AsyncRead + Unpin), deadline: Instant) -> String {
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(Ok(n @ 1..)) = tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+        all.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&all).into_owned()
+}
+
+/// A body that declares `declared` bytes and sends one every 100 ms (at most 50).
+struct Trickle {
+    declared: u64,
+    sent: u64,
+    next: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Trickle {
+    fn new(declared: u64) -> Trickle {
+        Trickle {
+            declared,
+            sent: 0,
+            next: Box::pin(tokio::time::sleep(Duration::from_millis(100))),
+        }
+    }
+}
+
+impl HttpBody for Trickle {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if this.sent >= 50 {
+            return Poll::Pending; // stalls: the server's deadline must end it
+        }
+        if this.next.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        this.sent += 1;
+        let at = Instant::now() + Duration::from_millis(100);
+        this.next.as_mut().reset(at);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b" ")))))
+    }
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.declared)
+    }
+}
+
+#[tokio::test]
+async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
+    let limits = Limits {
+        max_connections: 6,
+        max_connections_per_peer: 3,
+        tls_handshake_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    // A pod opens 5 connections and says nothing: it gets 3; 2 are closed at once.
+    let mut pod: Vec<TcpStream> = Vec::new();
+    for _ in 0..5 {
+        pod.push(srv.tcp_from("127.0.0.2").await);
+    }
+    let soon = Instant::now() + Duration::from_millis(300);
+    let mut closed_at_once = 0;
+    for s in &mut pod {
+        if closed_by(s, soon).await {
+            closed_at_once += 1;
+        }
+    }
+    assert_eq!(
+        closed_at_once, 2,
+        "connections beyond the pod's 3 are closed at once"
+    );
+    // Another pod takes the other 3 slots: now a new connection from the API server is refused.
+    let mut other: Vec<TcpStream> = Vec::new();
+    for _ in 0..3 {
+        other.push(srv.tcp_from("127.0.0.3").await);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        srv.try_tls_from("127.0.0.1", b"h2").await.is_err(),
+        "a connection beyond the server's 6 was served"
+    );
+    // The silent ones go at the handshake timeout; then the API server gets in and an answer.
+    let later = Instant::now() + Duration::from_secs(3);
+    for s in pod.iter_mut().chain(other.iter_mut()) {
+        assert!(
+            closed_by(s, later).await,
+            "a silent connection outlived the TLS timeout"
+        );
+    }
+    let mut api = srv.h2_from("127.0.0.1").await;
+    assert_eq!(post(&mut api, review(100)).await, "read 100");
+    let refused = |r: &str| {
+        srv.metric(&format!(
+            "fencedlease_webhook_connections_refused_total{{reason=\"{r}\"}}"
+        ))
+    };
+    assert_eq!(refused("peer_full"), 2.0);
+    assert_eq!(refused("server_full"), 1.0);
+    assert_eq!(srv.closed("tls_timeout"), 6.0);
+    assert_eq!(srv.metric("fencedlease_webhook_connections_open"), 1.0);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_flow() {
+    let limits = Limits {
+        max_connections: 64,
+        max_connections_per_peer: 32,
+        tls_handshake_timeout: Duration::from_millis(300),
+        header_read_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(2),
+        body_timeout: Duration::from_millis(600),
+        shutdown_grace: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    // The API server's connection, open before the flood.
+    let mut api = srv.h2_from("127.0.0.1").await;
+    assert_eq!(post(&mut api, review(10)).await, "read 10");
+
+    let flood_at = Instant::now();
+    // Silent TCP: never starts TLS.
+    let mut silent_tcp = Vec::new();
+    for _ in 0..4 {
+        silent_tcp.push(srv.tcp_from("127.0.0.2").await);
+    }
+    // HTTP/1 headers that never end.
+    let mut headers = Vec::new();
+    for _ in 0..4 {
+        let mut s = srv.tls_from("127.0.0.2", b"http/1.1").await;
+        s.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .expect("write");
+        s.flush().await.expect("flush");
+        headers.push(s);
+    }
+    // HTTP/2 negotiated, then silence (not even the preface).
+    let mut silent_h2 = Vec::new();
+    for _ in 0..4 {
+        silent_h2.push(srv.tls_from("127.0.0.2", b"h2").await);
+    }
+    // HTTP/1 bodies that trickle a few bytes of the 100,000 they declare, then stall.
+    let mut bodies = Vec::new();
+    for _ in 0..4 {
+        let mut s = srv.tls_from("127.0.0.2", b"http/1.1").await;
+        s.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+            .await
+            .expect("write");
+        s.flush().await.expect("flush");
+        bodies.push(s);
+    }
+    // HTTP/2 streams that trickle one byte every 100 ms.
+    let mut trickler = srv.h2_from::<Trickle>("127.0.0.2").await;
+    let mut trickles = Vec::new();
+    for _ in 0..4 {
+        trickler.ready().await.expect("ready");
+        let req = hyper::Request::post("https://127.0.0.1/validate")
+            .body(Trickle::new(100_000))
+            .expect("request");
+        trickles.push(tokio::spawn(trickler.send_request(req)));
+    }
+
+    // Meanwhile the API server is answered, on its connection and on a new one.
+    for i in 0..8 {
+        let asked = Instant::now();
+        assert_eq!(
+            post(&mut api, review(1000 + i)).await,
+            format!("read {}", 1000 + i)
+        );
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "a slow answer during the flood"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut fresh = srv.h2_from("127.0.0.1").await;
+    assert_eq!(post(&mut fresh, review(7)).await, "read 7");
+
+    // Each slow or silent connection was ended by its own bound, in time.
+    let by = |ms: u64| flood_at + Duration::from_millis(ms);
+    for s in &mut silent_tcp {
+        assert!(
+            closed_by(s, by(1500)).await,
+            "silent TCP outlived the TLS timeout"
+        );
+    }
+    for s in &mut headers {
+        // Well before the 2 s idle timeout: the header timeout closed it.
+        assert!(
+            closed_by(s, by(1500)).await,
+            "unfinished headers outlived the header timeout"
+        );
+    }
+    for s in &mut bodies {
+        let answer = read_until_closed(s, by(2500)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("did not arrive within 600ms"), "{answer}");
+    }
+    for t in trickles {
+        let resp = tokio::time::timeout_at(by(2500), t)
+            .await
+            .expect("a trickled stream was answered in time")
+            .expect("join")
+            .expect("an answer");
+        let text = resp.into_body().collect().await.expect("body").to_bytes();
+        assert!(String::from_utf8_lossy(&text).contains("did not arrive within 600ms"));
+    }
+    for s in &mut silent_h2 {
+        assert!(
+            closed_by(s, by(4000)).await,
+            "a silent HTTP/2 connection outlived the idle timeout"
+        );
+    }
+    assert!(srv.closed("tls_timeout") >= 4.0);
+    assert!(srv.closed("header_timeout") >= 4.0);
+    assert!(srv.closed("idle") >= 4.0);
+    assert!(srv.metric("fencedlease_webhook_bodies_refused_total{reason=\"too_slow\"}") >= 8.0);
+    // The API server's connection was never idle long enough to be ended.
+    assert_eq!(post(&mut api, review(5)).await, "read 5");
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn many_parallel_large_bodies_never_buffer_more_than_the_budget() {
+    let limits = Limits {
+        body_budget_bytes: MIB,
+        max_body_bytes: 512 * KIB,
+        body_timeout: Duration::from_secs(10),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::from_millis(20)).await;
+    let mut requests = tokio::task::JoinSet::new();
+    // 4 HTTP/2 connections with 8 streams each, and 8 HTTP/1 connections: 40 bodies of 400 KiB.
+    for _ in 0..4 {
+        let send = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
+        for _ in 0..8 {
+            let mut send = send.clone();
+            requests.spawn(async move { post(&mut send, review(400 * KIB)).await });
+        }
+    }
+    for _ in 0..8 {
+        let tls = srv.tls_from("127.0.0.1", b"http/1.1").await;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .expect("HTTP/1 handshake");
+        tokio::spawn(conn);
+        requests.spawn(async move {
+            let req = hyper::Request::post("/validate")
+                .header("host", "127.0.0.1")
+                .body(review(400 * KIB))
+                .expect("request");
+            let resp = send.send_request(req).await.expect("an answer");
+            let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+            String::from_utf8_lossy(&bytes).into_owned()
+        });
+    }
+    while let Some(answer) = requests.join_next().await {
+        assert_eq!(answer.expect("join"), format!("read {}", 400 * KIB));
+    }
+    let peak = srv.meter.peak.load(Ordering::SeqCst);
+    assert!(
+        peak <= MIB,
+        "{peak} body bytes buffered at once, over the 1 MiB budget"
+    );
+    assert!(
+        peak > MIB / 2,
+        "the test did not press on the budget: peak {peak}"
+    );
+    assert_eq!(srv.metric("fencedlease_webhook_body_bytes_held"), 0.0);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_and_old_age_let_requests_in_flight_finish() {
+    let limits = Limits {
+        max_connection_age: Duration::from_millis(400),
+        shutdown_grace: Duration::from_secs(3),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::from_millis(500)).await;
+    // Too old while its request is judged: told to finish, the answer still arrives.
+    let mut old = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(post(&mut old, review(3)).await, "read 3");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(old.is_closed(), "the old connection was not ended");
+    assert_eq!(srv.closed("max_age"), 1.0);
+    // Shutdown with a request in flight and an idle connection: the request is answered, the
+    // idle connection goes at once, and the server returns without waiting out the grace.
+    let mut busy = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
+    let idle = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
+    let in_flight = tokio::spawn(async move { post(&mut busy, review(4)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let addr = srv.addr;
+    let took = srv.stop().await;
+    assert_eq!(in_flight.await.expect("join"), "read 4");
+    let mut waited = 0;
+    while !idle.is_closed() && waited < 20 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+    }
+    assert!(
+        idle.is_closed(),
+        "the idle connection outlived the shutdown"
+    );
+    assert!(took < Duration::from_secs(2), "shutdown took {took:?}");
+    assert!(TcpStream::connect(addr).await.is_err(), "still accepting");
+}
