@@ -18,9 +18,24 @@ work=$(mktemp -d /tmp/fencedlease-pg.XXXXXX)
 chown postgres "$work"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export PGHOST="$work" PGPORT="$port" PGUSER=postgres PGDATABASE=postgres
+# Signals a worker as a whole (SIG PID [app]): every process group in its tree, or with "app"
+# all but campaign's own. campaign runs its command in a session of its own, so that it can kill
+# the command's whole tree.
+signal_worker() {
+  local sig="$1" todo=("$2") p groups="" skip=""
+  [ "${3:-}" = app ] && skip=$(ps -o pgid= -p "$2" | tr -d ' ')
+  while [ ${#todo[@]} -gt 0 ]; do
+    p=${todo[0]}; todo=("${todo[@]:1}")
+    groups+=" $(ps -o pgid= -p "$p" 2>/dev/null)"
+    for c in $(pgrep -P "$p"); do todo+=("$c"); done
+  done
+  for g in $(echo "$groups" | tr ' ' '\n' | sort -u); do
+    [ "$g" = "$skip" ] || kill "-$sig" -- "-$g" 2>/dev/null || true
+  done
+}
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill -CONT -- "-$p" 2>/dev/null || true; kill -- "-$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do signal_worker CONT "$p"; signal_worker TERM "$p"; done
   runuser -u postgres -- "$pgbin/pg_ctl" -D "$work/data" -m immediate stop >/dev/null 2>&1 || true
   kubectl delete namespace pg-demo --wait=false >/dev/null 2>&1 || true
 }
@@ -52,13 +67,16 @@ worker() { # NAME THINK
 worker worker-a 2
 until grep -q "worker-a .*reads" "$out" 2>/dev/null; do sleep 0.05; done
 worker worker-b 0
-kill -STOP -- "-${pids[0]}"
+signal_worker STOP "${pids[0]}"
 echo "$(date +%T.%N | cut -c1-12) worker-a is paused past its 3 s lease" >>"$out"
 for _ in $(seq 150); do grep -q "worker-b .*reserves" "$out" && break; sleep 0.1; done
 sleep 2
+# The app's write was under way when the machine froze: it goes out as soon as the app runs
+# again, before campaign (resumed just after) can notice the lease is gone and stop the app.
 echo "$(date +%T.%N | cut -c1-12) worker-a resumes" >>"$out"
-kill -CONT -- "-${pids[0]}"
+signal_worker CONT "${pids[0]}" app
 for _ in $(seq 100); do grep -q "worker-a .*reserves" "$out" && break; sleep 0.1; done
+signal_worker CONT "${pids[0]}"
 sort "$out"
 row=$(psql -XAtq -c "SELECT left_in_stock || ' left, reserved by ' || array_to_string(reserved_by, ', ') || ', highest token ' || fence_token FROM inventory")
 echo "final row: $row"

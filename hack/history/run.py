@@ -36,6 +36,31 @@ def say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def tree_groups(root: int) -> list[int]:
+    """The process groups of `root` and of all its descendants, `root`'s first."""
+    children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid, pgid = int(d), int(fields[1]), int(fields[2])
+        children.setdefault(ppid, []).append(pid)
+        groups[pid] = pgid
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        g = groups.get(pid, root if pid == root else None)
+        if g is not None and g not in out:
+            out.append(g)
+        todo.extend(children.get(pid, []))
+    return out
+
+
 class FreezableProxy:
     """A loopback TCP relay whose traffic can be frozen: connections stay open, nothing moves
     (a holder whose connection to the API server hangs without closing)."""
@@ -100,11 +125,14 @@ class Run:
         self.procs[name] = (p, argv, env)
 
     def send(self, name, sig):
-        p = self.procs[name][0]
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
+        """Signals a worker as a whole: every process group in its tree. `campaign` runs its
+        command in a session of its own (so that it can kill the command's whole tree), so the
+        worker's own group alone would miss the app."""
+        for pgid in tree_groups(self.procs[name][0].pid):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
 
     def restart(self, name, sig=signal.SIGKILL, delay=0.0):
         p, argv, env = self.procs[name]
