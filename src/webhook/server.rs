@@ -9,7 +9,7 @@
 //!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
 //! - Bytes: the protocol is chosen by ALPN (`h2`, else HTTP/1.1); HTTP/2 streams, header sizes
 //!   and receive windows are capped; and request bodies are read with [`read_body_bounded`],
-//!   which takes every byte it buffers from one budget shared by all requests.
+//!   which first takes all a body may become from one byte budget shared by all requests.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,8 +45,9 @@ const MIB: usize = 1024 * KIB;
 /// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
 pub const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
 /// What the webhook holds with no request at all: runtime, TLS and Kubernetes clients, and the
-/// FencedLease cache (without managedFields). An estimate with room: ~10 MiB with a few leases;
-/// the controller, which caches leases and pods, measured 57.6 MiB with 10,000 leases.
+/// FencedLease cache (without managedFields). An estimate with room: a debug build with a few
+/// leases measured 32 MiB; the controller, which caches leases and pods, measured 57.6 MiB
+/// with 10,000 leases.
 pub const BASELINE_BYTES: usize = 40 * MIB;
 /// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
 pub const HEADROOM_BYTES: usize = 16 * MIB;
@@ -115,8 +116,9 @@ pub struct Limits {
     pub h2_stream_window_bytes: u32,
     /// SO_RCVBUF of every accepted socket: what the kernel queues before the server reads it.
     pub socket_receive_buffer_bytes: u32,
-    /// HTTP/2 pings on a connection at this interval; no answer within the timeout closes it.
+    /// HTTP/2: a ping on a connection at this interval...
     pub h2_keep_alive_interval: Duration,
+    /// ...and no answer to it within this closes the connection (a vanished peer).
     pub h2_keep_alive_timeout: Duration,
     /// The largest request body read (an AdmissionReview holds the object twice).
     pub max_body_bytes: usize,
@@ -205,7 +207,7 @@ impl ServerMetrics {
         );
         r.register(
             "fencedlease_webhook_connections_closed",
-            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown, grace_expired (dropped with requests in flight)",
+            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown; and grace_expired when one of those was then dropped with requests still in flight",
             m.closed.clone(),
         );
         r.register(
