@@ -511,6 +511,7 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
 #[tokio::test]
 async fn many_parallel_large_bodies_never_buffer_more_than_the_budget() {
     let limits = Limits {
+        max_connections_per_peer: 12,
         body_budget_bytes: MIB,
         max_body_bytes: 512 * KIB,
         body_timeout: Duration::from_secs(10),

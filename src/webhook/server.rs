@@ -9,7 +9,7 @@
 //!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
 //! - Bytes: the protocol is chosen by ALPN (`h2`, else HTTP/1.1); HTTP/2 streams, header sizes
 //!   and receive windows are capped; and request bodies are read with [`read_body_bounded`],
-//!   which takes every byte it buffers from one budget shared by all requests.
+//!   which first takes all a body may become from one byte budget shared by all requests.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,8 +45,9 @@ const MIB: usize = 1024 * KIB;
 /// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
 pub const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
 /// What the webhook holds with no request at all: runtime, TLS and Kubernetes clients, and the
-/// FencedLease cache (without managedFields). An estimate with room: ~10 MiB with a few leases;
-/// the controller, which caches leases and pods, measured 57.6 MiB with 10,000 leases.
+/// FencedLease cache (without managedFields). An estimate with room: a debug build with a few
+/// leases measured 32 MiB; the controller, which caches leases and pods, measured 57.6 MiB
+/// with 10,000 leases.
 pub const BASELINE_BYTES: usize = 40 * MIB;
 /// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
 pub const HEADROOM_BYTES: usize = 16 * MIB;
@@ -76,7 +77,10 @@ const TASK_BYTES: usize = 8 * KIB;
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
 /// - 32 connections x 928 KiB = 29 MiB;
 /// - request bodies: the 16 MiB budget, and as much again for judging them (the guard of
-///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB;
+///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB. The parsers must
+///   keep to that: a /validate body of 8 MiB of tiny labels made the webhook's peak RSS grow
+///   by ~100 MiB, and a /mutate body of 8 MiB of empty arrays by ~180 MiB (debug build);
+///   until they do, one such request alone can exceed the limit;
 ///
 /// = 101 MiB, which leaves 27 MiB of the 128 MiB limit for what this does not see (more than
 /// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
@@ -86,7 +90,8 @@ pub struct Limits {
     /// HTTP/2 connection per replica and opens more only beyond 8 admissions in flight on it.
     pub max_connections: usize,
     /// Connections from one IP address at once, so that one pod cannot take every slot from
-    /// the API server.
+    /// the API server: it takes four to fill the server. An API server needs a few (one
+    /// HTTP/2 connection, more beyond 8 admissions in flight on it).
     pub max_connections_per_peer: usize,
     /// A TLS handshake not finished by then is dropped.
     pub tls_handshake_timeout: Duration,
@@ -111,8 +116,9 @@ pub struct Limits {
     pub h2_stream_window_bytes: u32,
     /// SO_RCVBUF of every accepted socket: what the kernel queues before the server reads it.
     pub socket_receive_buffer_bytes: u32,
-    /// HTTP/2 pings on a connection at this interval; no answer within the timeout closes it.
+    /// HTTP/2: a ping on a connection at this interval...
     pub h2_keep_alive_interval: Duration,
+    /// ...and no answer to it within this closes the connection (a vanished peer).
     pub h2_keep_alive_timeout: Duration,
     /// The largest request body read (an AdmissionReview holds the object twice).
     pub max_body_bytes: usize,
@@ -127,7 +133,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 32,
-            max_connections_per_peer: 16,
+            max_connections_per_peer: 8,
             tls_handshake_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30),
@@ -201,7 +207,7 @@ impl ServerMetrics {
         );
         r.register(
             "fencedlease_webhook_connections_closed",
-            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown, grace_expired (dropped with requests in flight)",
+            "Connections the server ended by a bound: tls_timeout, tls_failed, header_timeout, idle, max_age, shutdown; and grace_expired when one of those was then dropped with requests still in flight",
             m.closed.clone(),
         );
         r.register(
