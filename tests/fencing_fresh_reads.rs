@@ -7,13 +7,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::apiproxy::ApiProxy;
-use common::fencing::{
-    assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held,
-};
-use common::procs::scratch_dir;
-use common::webhook::{Webhook, WebhookOpts};
-use common::{client, ensure_crd, eventually, TestNamespace};
+use common::eventually;
+use common::fencing::{assert_refused, fenced_merge, move_lease, Held, Protected};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::PostParams;
@@ -23,42 +18,8 @@ use kube::Api;
 /// server, as README claims: a probe every 2 s with a 2 s timeout, or at once on a failed read.
 const READINESS_BOUND: Duration = Duration::from_secs(5);
 
-struct Setup {
-    client: kube::Client,
-    ns: TestNamespace,
-    proxy: ApiProxy,
-    wh: Webhook,
-    cms: Api<ConfigMap>,
-    a: Held,
-}
-
-async fn setup(name: &str) -> Setup {
-    let client = client().await;
-    ensure_crd();
-    let ns = TestNamespace::new(&client, name).await;
-    let dir = scratch_dir(name);
-    let proxy = ApiProxy::start(&dir);
-    let opts = WebhookOpts {
-        kubeconfig: Some(proxy.kubeconfig.clone()),
-        ..Default::default()
-    };
-    let wh = Webhook::start_with(&client, &dir, &ns.name, opts).await;
-    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    create(
-        &cms,
-        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
-    )
-    .await
-    .expect("A creates the object with its token");
-    Setup {
-        client,
-        ns,
-        proxy,
-        wh,
-        cms,
-        a,
-    }
+async fn setup(name: &str) -> Protected {
+    Protected::new(name, true).await
 }
 
 /// Writes as `h` until the webhook answers with something other than 503 (the frozen pooled
@@ -84,7 +45,7 @@ async fn write_past_frozen_connections(
 #[tokio::test]
 async fn hole_1_a_lagging_lease_cache_never_lets_a_replaced_holders_token_through() {
     let s = setup("hole1-stale").await;
-    s.proxy.freeze_open_connections();
+    s.proxy().freeze_open_connections();
     let b = move_lease(&s.client, &s.ns.name, "inv", "pod-b").await;
     // A's late write: its token is the one the frozen cache still shows as current.
     let late = write_past_frozen_connections(&s.cms, &s.a, "a").await;
@@ -111,7 +72,7 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
     let s = setup("hole1-cut").await;
     assert_eq!(s.wh.readyz(), 200);
     let cut = Instant::now();
-    s.proxy.cut();
+    s.proxy().cut();
     // With no write to notice it, the probe turns the webhook unready within the bound.
     eventually(
         READINESS_BOUND * 2,
@@ -130,7 +91,7 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
         let r = fenced_merge(&s.cms, "inv", h, serde_json::json!({"data": {"by": who}})).await;
         assert_refused(who, r, 503, "could not read FencedLease");
     }
-    s.proxy.restore();
+    s.proxy().restore();
     let back = Instant::now();
     eventually(READINESS_BOUND * 2, "the webhook to turn ready", || async {
         (s.wh.readyz() == 200).then_some(())
@@ -157,7 +118,7 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
 #[tokio::test]
 async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_cache_lags() {
     let s = setup("hole2").await;
-    s.proxy.freeze_open_connections();
+    s.proxy().freeze_open_connections();
     let leases: Api<FencedLease> = Api::namespaced(s.client.clone(), &s.ns.name);
     common::delete_ignore_missing(&leases, "inv").await;
     eventually(Duration::from_secs(10), "the lease to be gone", || async {

@@ -4,13 +4,9 @@
 mod common;
 
 use common::fencing::{
-    assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta, Held,
+    assert_refused, create, fenced_merge, move_lease, protected_meta, Held, Protected,
 };
-use common::procs::scratch_dir;
-use common::webhook::Webhook;
-use common::{client, ensure_crd, kubectl, TestNamespace};
-use k8s_openapi::api::core::v1::ConfigMap;
-use kube::Api;
+use common::kubectl;
 
 const MODE: &str = "fencedlease.io/fencing";
 
@@ -25,19 +21,14 @@ fn annotate_namespace(ns: &str, value: Option<&str>) {
 
 #[tokio::test]
 async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
-    let client = client().await;
-    ensure_crd();
-    let ns = TestNamespace::new(&client, "hole6").await;
-    let dir = scratch_dir("hole6");
-    let _wh = Webhook::start(&client, &dir, &ns.name).await;
-    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    create(
-        &cms,
-        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
-    )
-    .await
-    .expect("create");
+    let Protected {
+        client,
+        ns,
+        cms,
+        a,
+        wh: _wh,
+        ..
+    } = Protected::new("hole6", false).await;
     let b = move_lease(&client, &ns.name, "inv", "pod-b").await;
     fenced_merge(&cms, "inv", &b, serde_json::json!({"data": {"by": "b"}}))
         .await
@@ -65,19 +56,13 @@ async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
 
 #[tokio::test]
 async fn hole_7_a_forged_high_token_stored_in_warn_mode_does_not_lock_out_the_holder() {
-    let client = client().await;
-    ensure_crd();
-    let ns = TestNamespace::new(&client, "hole7").await;
-    let dir = scratch_dir("hole7");
-    let _wh = Webhook::start(&client, &dir, &ns.name).await;
-    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    create(
-        &cms,
-        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}}),
-    )
-    .await
-    .expect("create");
+    let Protected {
+        ns,
+        cms,
+        a,
+        wh: _wh,
+        ..
+    } = Protected::new("hole7", false).await;
     annotate_namespace(&ns.name, Some("warn"));
     let forged = Held {
         token: 999_999,

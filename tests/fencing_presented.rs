@@ -5,32 +5,21 @@
 mod common;
 
 use common::fencing::{
-    assert_refused, create, fenced_merge, held_lease, merge, protected_meta, stamp, TOKEN, UID,
-    WRITE_ID,
+    assert_refused, fenced_merge, merge, stamp, Protected, TOKEN, UID, WRITE_ID,
 };
-use common::procs::scratch_dir;
-use common::webhook::Webhook;
-use common::{client, ensure_crd, kubectl, TestNamespace};
-use k8s_openapi::api::core::v1::ConfigMap;
+use common::kubectl;
 use kube::api::PostParams;
-use kube::Api;
 
 #[tokio::test]
 async fn hole_3_an_update_that_does_not_present_a_token_is_refused_though_the_object_carries_the_current_one(
 ) {
-    let client = client().await;
-    ensure_crd();
-    let ns = TestNamespace::new(&client, "hole3").await;
-    let dir = scratch_dir("hole3");
-    let _wh = Webhook::start(&client, &dir, &ns.name).await;
-    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    create(
-        &cms,
-        serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"n": "0"}}),
-    )
-    .await
-    .expect("create with the current token");
+    let Protected {
+        ns,
+        cms,
+        a,
+        wh: _wh,
+        ..
+    } = Protected::new("hole3", false).await;
     let not_presented = "does not present a token of its own";
 
     // kubectl's writes that do not stamp: label, annotate, a data patch.

@@ -4,9 +4,14 @@
 use std::fmt::Debug;
 
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde::de::DeserializeOwned;
+
+use super::apiproxy::ApiProxy;
+use super::webhook::{Webhook, WebhookOpts};
+use super::TestNamespace;
 
 pub const LEASE: &str = "fencedlease.io/lease";
 pub const TOKEN: &str = "fencedlease.io/token";
@@ -111,5 +116,51 @@ pub fn assert_refused<K: Debug>(what: &str, r: Result<K, Refused>, code: u16, wa
             "{what}: want {code} with {want:?}, got {c}: {m}"
         ),
         Ok(o) => panic!("{what}: must be refused ({want:?}), but it was accepted: {o:?}"),
+    }
+}
+
+/// The stage of most fencing tests: a namespace of the test's own with its own webhook, lease
+/// "inv" held by pod-a, and ConfigMap "inv" protected by it, created with pod-a's token.
+pub struct Protected {
+    pub client: Client,
+    pub ns: TestNamespace,
+    pub wh: Webhook,
+    pub cms: Api<ConfigMap>,
+    pub a: Held,
+    /// With `through_proxy`: the proxy between the webhook and the API server.
+    pub proxy: Option<ApiProxy>,
+}
+
+impl Protected {
+    pub async fn new(name: &str, through_proxy: bool) -> Protected {
+        let client = super::client().await;
+        super::ensure_crd();
+        let ns = TestNamespace::new(&client, name).await;
+        let dir = super::procs::scratch_dir(name);
+        let proxy = through_proxy.then(|| ApiProxy::start(&dir));
+        let opts = WebhookOpts {
+            kubeconfig: proxy.as_ref().map(|p| p.kubeconfig.clone()),
+            ..Default::default()
+        };
+        let wh = Webhook::start_with(&client, &dir, &ns.name, opts).await;
+        let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+        let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+        let cm =
+            serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}});
+        create(&cms, cm)
+            .await
+            .expect("A creates the object with its token");
+        Protected {
+            client,
+            ns,
+            wh,
+            cms,
+            a,
+            proxy,
+        }
+    }
+
+    pub fn proxy(&self) -> &ApiProxy {
+        self.proxy.as_ref().expect("started with through_proxy")
     }
 }
