@@ -47,6 +47,9 @@ fn submitted(name: &str, annotations: Value) -> Value {
             ],
             "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "10Mi"}}],
             "terminationGracePeriodSeconds": 3,
+            // Never scheduled (the test node's scheduler would set nodeName on one pod and not
+            // yet on the other): the test is about the stored spec, not running pods.
+            "nodeSelector": {"fencedlease.io/nowhere": "true"},
         }
     })
 }
