@@ -172,16 +172,52 @@ struct ObjectIn {
 #[derive(Deserialize, Default)]
 struct MetaIn {
     #[serde(default)]
-    labels: Option<BTreeMap<String, String>>,
+    labels: Option<OurKeys>,
     #[serde(default)]
-    annotations: Option<BTreeMap<String, String>>,
+    annotations: Option<OurKeys>,
 }
+
+/// The `fencedlease.io/` entries of a label or annotation map, and nothing else: the others
+/// are skipped as they are read, so a body of millions of tiny labels costs no more memory
+/// than its bytes (it would cost some 12 times that as a map of Strings).
+#[derive(Default)]
+struct OurKeys(BTreeMap<String, String>);
+
+impl<'de> Deserialize<'de> for OurKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = OurKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of strings")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<OurKeys, A::Error> {
+                let mut ours = BTreeMap::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    if k.starts_with(OUR_PREFIX) {
+                        ours.insert(k, m.next_value::<String>()?);
+                    } else {
+                        m.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(OurKeys(ours))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// The prefix of every label and annotation the decision reads.
+const OUR_PREFIX: &str = "fencedlease.io/";
 
 fn annotation<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
     o.metadata
         .annotations
         .as_ref()
-        .and_then(|a| a.get(key))
+        .and_then(|a| a.0.get(key))
         .map(String::as_str)
 }
 
@@ -189,7 +225,7 @@ fn label<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
     o.metadata
         .labels
         .as_ref()
-        .and_then(|l| l.get(key))
+        .and_then(|l| l.0.get(key))
         .map(String::as_str)
         .filter(|v| !v.is_empty())
 }
@@ -586,6 +622,29 @@ mod tests {
             parsed(&serde_json::to_vec(&v).expect("json")),
             Parsed::Invalid(_)
         ));
+    }
+
+    #[test]
+    fn only_our_labels_and_annotations_are_kept_and_only_ours_must_be_strings() {
+        let mut labels = serde_json::Map::new();
+        for i in 0..2000 {
+            labels.insert(format!("k{i}"), serde_json::json!({"any": [i]}));
+        }
+        labels.insert(LEASE_LABEL.into(), "inv".into());
+        let new = cm(
+            serde_json::Value::Object(labels),
+            serde_json::json!({TOKEN_ANNOTATION: "3", LEASE_UID_ANNOTATION: "u", "other": 7}),
+        );
+        let body = review("CREATE", new, None);
+        let v: ReviewIn = serde_json::from_slice(&body).expect("parses");
+        let obj = v.request.and_then(|r| r.object).expect("object");
+        let kept = obj.metadata.labels.as_ref().map(|l| l.0.len());
+        assert_eq!(kept, Some(1), "only the fencedlease.io/ label is kept");
+        assert_eq!(label(&obj, LEASE_LABEL), Some("inv"));
+        assert_eq!(annotation(&obj, TOKEN_ANNOTATION), Some("3"));
+        // Escaped keys are matched by what they say.
+        let escaped = br#"{"apiVersion":"admission.k8s.io/v1","request":{"uid":"1","operation":"CREATE","namespace":"shop","object":{"metadata":{"labels":{"fencedlease.io\/lease":"inv"}}}}}"#;
+        assert!(matches!(parsed(escaped), Parsed::Judge(_)));
     }
 
     #[test]
