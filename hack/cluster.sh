@@ -16,6 +16,9 @@
 #   kubeconfig, pki/, logs/{etcd,kube-apiserver,kube-controller-manager}.log, pids/.
 # Ports (override with the variables): etcd $FL_ETCD_PORT (12379) and $FL_ETCD_PEER_PORT
 # (12380), kube-apiserver $FL_APISERVER_PORT (16443), controller-manager $FL_KCM_PORT (16257).
+# Auditing: with FL_AUDIT_POLICY set to an audit policy file, the API server writes its audit
+# log (JSON lines, blocking mode: an event is written before the response is sent) to
+# $FENCEDLEASE_CLUSTER_DIR/logs/audit.log; the history test takes the lease's history from it.
 set -euo pipefail
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -178,6 +181,12 @@ up() {
     --unsafe-no-fsync=false --quota-backend-bytes=4294967296
   wait_for etcd 60 "$DIR/logs/etcd.log" curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
 
+  local audit=()
+  if [ -n "${FL_AUDIT_POLICY:-}" ]; then
+    [ -f "$FL_AUDIT_POLICY" ] || die "FL_AUDIT_POLICY=$FL_AUDIT_POLICY: no such file"
+    audit=(--audit-policy-file="$FL_AUDIT_POLICY" --audit-log-path="$DIR/logs/audit.log"
+      --audit-log-mode=blocking --audit-log-format=json --audit-log-maxsize=100000)
+  fi
   log "starting kube-apiserver on 127.0.0.1:$API_PORT"
   start kube-apiserver "$bins/kube-apiserver" \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
@@ -188,7 +197,7 @@ up() {
     --token-auth-file="$DIR/pki/tokens.csv" \
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$DIR/pki/sa.pub" --service-account-signing-key-file="$DIR/pki/sa.key" \
-    --enable-aggregator-routing=true --allow-privileged=true
+    --enable-aggregator-routing=true --allow-privileged=true "${audit[@]}"
   wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" healthy_probe
   kubeconfig
 

@@ -1,36 +1,57 @@
 #!/usr/bin/env bash
-# The history test (fault injection): fenced read-modify-write workers, a nemesis (pauses,
-# kills, webhook/controller/API server/etcd restarts, clock skew, hung connections), and a
-# checker of the fencing rules. Runs on a local Kubernetes of its own, since it restarts it.
+# The history test (fault injection): apps writing with fencing tokens (read-modify-write,
+# blind merge patches, an app that ignores the loss of leadership, apps that stall between
+# taking a token and writing), a nemesis (pauses, kills, webhook/controller/API server/etcd
+# restarts, a fast clock, hung connections, a slowed API server, a network partition) and a
+# checker of the fencing rules over the lease's history from the API server's audit log.
+# Runs on a local Kubernetes of its own, since it restarts it.
 #
-#   hack/history.sh                 a bounded run (90 s of faults; part of hack/test.sh)
-#   hack/history.sh --duration 3600 --seed 7    a long run
-# Results: $FL_HISTORY_OUT (default /tmp/fencedlease-history/<seed>)/summary.json
+#   hack/history.sh --duration S --seed N [--unfenced] [--summary FILE] [--min-stale N]
+#
+# --unfenced runs the same workload with the webhook out of the path: the checker must fail.
+# Exit status 0 only when every check passed. Output: $FL_HISTORY_OUT (default
+# /tmp/fencedlease-history/<seed>[-unfenced]): summary.json, the apps' ops-*.jsonl, the
+# candidates' *.events, lease-points.json (the oracle), final-objects.json, process logs;
+# `python3 hack/history/check.py DIR` checks a kept run again. FL_HISTORY_BIN, below.
 set -euo pipefail
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
 cd "$FL_REPO"
-duration=90 seed=$RANDOM
+duration=90 seed=$RANDOM unfenced=() summary=() min_stale=100
+usage="usage: $0 [--duration SECONDS] [--seed N] [--unfenced] [--summary FILE] [--min-stale N]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
     --seed) seed=$2; shift 2 ;;
-    *) die "usage: $0 [--duration SECONDS] [--seed N]" ;;
+    --unfenced) unfenced=(--unfenced); shift ;;
+    --summary) summary=(--summary "$(realpath -m "$2")"); shift 2 ;;
+    --min-stale) min_stale=$2; shift 2 ;;
+    *) die "$usage" ;;
   esac
 done
-apt_install faketime curl openssl iproute2
+[ "$(id -u)" = 0 ] || die "the history test needs root: it gives one candidate a network namespace of its own and cuts it with iptables"
+apt_install faketime curl openssl iproute2 iptables
 # Its own cluster (override with FL_HISTORY_CLUSTER_DIR and FL_HISTORY_PORT_BASE to run two).
 # Ports below Linux's ephemeral range (32768-60999), where an outgoing connection can hold them.
 base="${FL_HISTORY_PORT_BASE:-20379}"
 export FENCEDLEASE_CLUSTER_DIR="${FL_HISTORY_CLUSTER_DIR:-/tmp/fencedlease-history-cluster}"
 export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((base + 4064)) FL_KCM_PORT=$((base + 3878))
-out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed}"
+export FL_AUDIT_POLICY="$FL_REPO/hack/history/audit-policy.yaml"
+out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed${unfenced:+-unfenced}}"
 rm -rf "$out" && mkdir -p "$out"
-trap 'hack/cluster.sh down' EXIT
+trap 'hack/cluster.sh down; ip netns del "flh$base" 2>/dev/null || true' EXIT
 hack/cluster.sh down
 hack/cluster.sh up
-log "building fencedlease"
-cargo build --quiet
-log "history run: ${duration} s of faults, seed $seed, output in $out"
-python3 hack/history/run.py --bin "$FL_REPO/target/debug/fencedlease" \
-  --kubeconfig "$FENCEDLEASE_CLUSTER_DIR/kubeconfig" --duration "$duration" --seed "$seed" --out "$out"
+# FL_HISTORY_BIN: a fencedlease binary to test instead of building one (a long run keeps its
+# binary while the checkout changes).
+bin="${FL_HISTORY_BIN:-}"
+if [ -z "$bin" ]; then
+  log "building fencedlease"
+  cargo build --quiet
+  bin="$FL_REPO/target/debug/fencedlease"
+fi
+log "history run: ${duration} s of faults, seed $seed${unfenced:+, UNFENCED}, output in $out"
+python3 hack/history/run.py --bin "$bin" \
+  --kubeconfig "$FENCEDLEASE_CLUSTER_DIR/kubeconfig" --audit-log "$FENCEDLEASE_CLUSTER_DIR/logs/audit.log" \
+  --duration "$duration" --seed "$seed" --out "$out" --tag "$base" --min-stale "$min_stale" \
+  "${unfenced[@]}" "${summary[@]}"

@@ -43,10 +43,27 @@ if ! cargo test --all-targets -- "$@"; then
   exit 1
 fi
 # The history test runs on a local Kubernetes of its own (its nemesis restarts the API server
-# and etcd), after the shared cluster's tests.
+# and etcd), after the shared cluster's tests: first its checker's tables, then a fenced run
+# that must pass with at least 100 stale writes attempted, then the same run unfenced, which
+# must fail on stale writes accepted (a checker that cannot fail proves nothing).
+log "history checker tables"
+python3 -m unittest discover -s hack/history -p 'test_*.py'
 seed="${FL_HISTORY_SEED:-$RANDOM}"
-log "history test (fault injection), seed $seed: hack/history.sh --duration 60 --seed $seed"
-if ! hack/history.sh --duration "${FL_HISTORY_DURATION:-60}" --seed "$seed"; then
+hist_s="${FL_HISTORY_DURATION:-60}"
+log "history test (fault injection), seed $seed: hack/history.sh --duration $hist_s --seed $seed"
+if ! hack/history.sh --duration "$hist_s" --seed "$seed"; then
   die "the history test failed (seed $seed; output in /tmp/fencedlease-history/$seed); rerun it with: hack/history.sh --seed $seed"
 fi
+log "history test with fencing off (must fail): hack/history.sh --duration $hist_s --seed $seed --unfenced"
+unfenced_summary=/tmp/fencedlease-history/unfenced-summary.json
+rm -f "$unfenced_summary"
+if hack/history.sh --duration "$hist_s" --seed "$seed" --unfenced --summary "$unfenced_summary"; then
+  die "the unfenced history run passed its checks: the checker cannot see stale writes (output in /tmp/fencedlease-history/$seed-unfenced)"
+fi
+python3 - "$unfenced_summary" <<'PY' || die "the unfenced history run failed, but not on stale writes accepted (see /tmp/fencedlease-history/$seed-unfenced)"
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["stale_accepted"] > 0 and s["checks"]["no stale write accepted"].startswith("FAIL"), s["checks"]
+print(f"history: unfenced, the checker failed as it must: {s['stale_accepted']} stale writes accepted")
+PY
 log "all tests passed"

@@ -1,0 +1,316 @@
+"""The history test's checker: pure functions over what a run recorded (no cluster needed).
+
+  python3 hack/history/check.py DIR     check a kept run again (prints its summary)
+
+The oracle is the lease's history in server order: every spec write the API server's audit log
+holds (its answer time), joined with what the harness's resuming watch saw (its arrival time).
+For each generation the lease reached, the earliest of those times is when it was known to
+have been reached. A write is stale when its token is lower than a generation its lease had
+reached before the write was sent."""
+import bisect
+import datetime
+import json
+import os
+import sys
+
+LEASE_RESOURCE = "fencedleases"
+
+
+def ts_ns(text):
+    """RFC 3339 time with up to microseconds (the audit log's) -> ns since the epoch."""
+    d = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return int(d.timestamp()) * 10**9 + d.microsecond * 1000
+
+
+def lease_point(obj, t_ns, source):
+    m = obj.get("metadata") or {}
+    if "generation" not in m:
+        return None
+    return {"t": t_ns, "uid": m["uid"], "gen": int(m["generation"]), "rv": int(m["resourceVersion"]),
+            "holder": (obj.get("spec") or {}).get("holderIdentity"), "src": source}
+
+
+def parse_audit(lines, name):
+    """Spec writes of the FencedLease `name` that succeeded, from audit log lines."""
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a SIGKILL of the API server
+        ref = e.get("objectRef") or {}
+        if (e.get("stage") != "ResponseComplete" or ref.get("resource") != LEASE_RESOURCE
+                or ref.get("subresource") or ref.get("name") != name):
+            continue
+        if (e.get("responseStatus") or {}).get("code", 0) >= 300 or not e.get("responseObject"):
+            continue
+        p = lease_point(e["responseObject"], ts_ns(e["stageTimestamp"]), "audit")
+        if p:
+            out.append(p)
+    return out
+
+
+def build_oracle(points):
+    """(reached, problems): reached maps uid -> sorted [(t, gen)] of the first time each
+    generation was known; problems lists holes and contradictions in the history."""
+    first, holders, problems = {}, {}, []
+    for p in points:
+        k = (p["uid"], p["gen"])
+        first[k] = min(first.get(k, p["t"]), p["t"])
+        if p["holder"]:
+            holders.setdefault(k, set()).add(p["holder"])
+    reached = {}
+    for (uid, gen), t in first.items():
+        reached.setdefault(uid, []).append((t, gen))
+    for uid, seq in reached.items():
+        gens = sorted(g for _, g in seq)
+        missing = sorted(set(range(gens[0], gens[-1] + 1)) - set(gens))
+        if missing:
+            problems.append(f"oracle incomplete: lease {uid} generations {missing[:5]} were never seen")
+        seq.sort()
+    for k, who in holders.items():
+        if len(who) > 1:
+            problems.append(f"generation {k[1]} of lease {k[0]} named two holders: {sorted(who)}")
+    by_rv = sorted((p for p in points if p["src"] == "audit"), key=lambda p: p["rv"])
+    for a, b in zip(by_rv, by_rv[1:]):
+        if a["uid"] == b["uid"] and b["gen"] < a["gen"]:
+            problems.append(f"lease generation went down in server order: {a['gen']} -> {b['gen']} at rv {b['rv']}")
+    return reached, problems
+
+
+class Staleness:
+    """The highest generation each lease had reached by a time."""
+
+    def __init__(self, reached):
+        self.times, self.best = {}, {}
+        for uid, seq in reached.items():
+            best, top = [], 0
+            for _, g in seq:
+                top = max(top, g)
+                best.append(top)
+            self.times[uid] = [t for t, _ in seq]
+            self.best[uid] = best
+
+    def reached_before(self, uid, t):
+        i = bisect.bisect_left(self.times.get(uid, []), t)
+        return self.best[uid][i - 1] if i > 0 else None
+
+    def is_stale(self, op):
+        g = self.reached_before(op["uid"], op["t_send"])
+        return g is not None and op["token"] < g
+
+
+def load_ops(out):
+    """Every write attempt with its outcome; a "sent" record with none is ambiguous."""
+    raw = []
+    for f in sorted(os.listdir(out)):
+        if f.startswith("ops-") and f.endswith(".jsonl"):
+            with open(os.path.join(out, f)) as fh:
+                for line in fh:
+                    try:
+                        raw.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line cut short by a SIGKILL of its writer
+    done = {o["item"] for o in raw if o["verdict"] != "sent"}
+    ops = [o for o in raw if o["verdict"] != "sent"]
+    ops += [dict(o, verdict="unknown", message="the writer died waiting") for o in raw
+            if o["verdict"] == "sent" and o["item"] not in done]
+    return [o for o in ops if o.get("phase") != "read"], len([o for o in ops if o.get("phase") == "read"])
+
+
+def landed_items(objects):
+    """obj name -> (list of items in order, counter) for RMW shards; blind -> its last item."""
+    shards, blind_last = {}, None
+    for name, cm in objects.items():
+        data = (cm or {}).get("data") or {}
+        if name == "blind":
+            blind_last = data.get("last")
+        else:
+            shards[name] = ([i for i in data.get("items", "").split(",") if i], int(data.get("counter", "0")))
+    return shards, blind_last
+
+
+def check_objects(ops, objects):
+    """(landed set of items, acknowledged_lost, violations) from the final objects."""
+    shards, blind_last = landed_items(objects)
+    violations, lost = [], 0
+    landed = set()
+    for name, (items, counter) in shards.items():
+        landed.update(items)
+        pos = {item: n for n, item in enumerate(items)}
+        acc = sorted((o for o in ops if o.get("obj") == name and o["verdict"] == "accepted"), key=lambda o: o["rv"])
+        missing = [o["item"] for o in acc if o["item"] not in pos]
+        lost += len(missing)
+        if missing:
+            violations.append(f"{name}: {len(missing)} acknowledged writes lost, e.g. {missing[:3]}")
+        order = [pos[o["item"]] for o in acc if o["item"] in pos]
+        if order != sorted(order):
+            violations.append(f"{name}: accepted items are out of order in the list")
+        ambiguous = {o["item"] for o in ops if o.get("obj") == name and o["verdict"] == "unknown"}
+        extra = set(items) - {o["item"] for o in acc} - ambiguous
+        if extra:
+            violations.append(f"{name}: {len(extra)} items from writes nobody was told succeeded: {sorted(extra)[:3]}")
+        if counter != len(items):
+            violations.append(f"{name}: counter {counter} != {len(items)} items")
+    acc = sorted((o for o in ops if o.get("obj") == "blind" and o["verdict"] == "accepted"), key=lambda o: o["rv"])
+    if blind_last:
+        landed.add(blind_last)
+    if acc and blind_last != acc[-1]["item"]:
+        later = {o["item"] for o in ops if o.get("obj") == "blind" and o["verdict"] == "unknown"}
+        if blind_last not in later:
+            lost += 1
+            violations.append(f"blind: the last acknowledged write {acc[-1]['item']} is not the final "
+                              f"state ({blind_last}), and no ambiguous write explains it")
+    return landed, lost, violations
+
+
+def tokens_never_down(ops):
+    out = []
+    by_obj = {}
+    for o in ops:
+        if o["verdict"] == "accepted":
+            by_obj.setdefault(o["obj"], []).append(o)
+    for name, acc in by_obj.items():
+        acc.sort(key=lambda o: o["rv"])
+        for a, b in zip(acc, acc[1:]):
+            if a["uid"] == b["uid"] and b["token"] < a["token"]:
+                out.append(f"{name}: the object's token went down: {a['token']} -> {b['token']} at rv {b['rv']}")
+                break
+    return out
+
+
+def beliefs(out):
+    """Leadership claims [start, end, identity, fast_clock] from the candidates' event logs."""
+    claims, owners = [], {}
+    for f in sorted(os.listdir(out)):
+        if not f.endswith(".events"):
+            continue
+        fast = f.startswith("w-skew")  # its times come from a faked clock: not comparable
+        cur = None
+        with open(os.path.join(out, f)) as fh:
+            lines = fh.readlines()
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e["event"] == "leading":
+                owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
+                cur = [e["t_ns"], e.get("valid_until_ns", e["t_ns"]), e["identity"], fast]
+                claims.append(cur)
+            elif e["event"] == "renewed" and cur and e["t_ns"] < cur[1]:
+                cur[1] = max(cur[1], e.get("valid_until_ns", cur[1]))
+            elif e["event"] in ("stopped", "exited") and cur:
+                cur[1] = min(cur[1], e["t_ns"])
+                cur = None
+    return claims, owners
+
+
+def overlaps(claims):
+    """(seconds two real-clock candidates both believed they led, the same with the fast one)."""
+    real, fast = 0, 0
+    for i, a in enumerate(claims):
+        for b in claims[i + 1:]:
+            if a[2] == b[2]:
+                continue
+            d = max(0, min(a[1], b[1]) - max(a[0], b[0]))
+            if a[3] or b[3]:
+                fast += d
+            else:
+                real += d
+    return real / 1e9, fast / 1e9
+
+
+def takeovers(points):
+    """From the last watch event that showed the old holder to the first showing a new one."""
+    gaps, cur, last = [], None, None
+    for p in sorted((p for p in points if p["src"] == "watch"), key=lambda p: p["t"]):
+        if p["holder"] and p["holder"] != cur:
+            if last is not None:
+                gaps.append((p["t"] - last) / 1e9)
+            cur = p["holder"]
+        if p["holder"]:
+            last = p["t"]
+    gaps.sort()
+    res = {"count": len(gaps)}
+    if gaps:
+        res.update(p50_s=round(gaps[len(gaps) // 2], 3), p90_s=round(gaps[int(len(gaps) * 0.9)], 3),
+                   max_s=round(gaps[-1], 3))
+    return res
+
+
+def verdict_counts(ops):
+    counts = {}
+    for o in ops:
+        v = o["verdict"]
+        if v == "error":
+            m = o.get("message", "")
+            v = ("error_webhook_down" if "failed calling webhook" in m else
+                 "error_server_unavailable" if o.get("code") in (None, 0) else f"error_http_{o.get('code')}")
+        counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+def check(run, ops, objects, points, min_stale, reads_failed=0):
+    """The summary of a run; its `checks` say pass or why not."""
+    reached, oracle_problems = build_oracle(points)
+    stale = Staleness(reached)
+    landed, lost, object_violations = check_objects(ops, objects)
+    st = [o for o in ops if o.get("uid") and stale.is_stale(o)]
+    stale_landed = [o for o in st if o["verdict"] == "accepted" or (o["verdict"] == "unknown" and o["item"] in landed)]
+    landed_ids = {id(o) for o in stale_landed}
+    by_worker = {}
+    for o in st:
+        w = by_worker.setdefault(o["worker"], {"attempted": 0, "refused": 0, "accepted": 0})
+        w["attempted"] += 1
+        w["refused"] += o["verdict"] == "refused"
+        w["accepted"] += id(o) in landed_ids
+    claims, owners = beliefs(run["out"])
+    real, fast = overlaps(claims)
+    twice = [f"token {t} of lease {u} was handed to two leaders: {sorted(w)}" for (u, t), w in owners.items() if len(w) > 1]
+    checks = {
+        "no stale write accepted": [f"{o['worker']} wrote {o['item']} with token {o['token']}, below generation "
+                                    f"{stale.reached_before(o['uid'], o['t_send'])} reached before it was sent"
+                                    for o in stale_landed[:5]],
+        "object tokens never went down": tokens_never_down(ops),
+        "no acknowledged write lost": object_violations,
+        "the lease's history is complete and increasing": oracle_problems,
+        "no token handed to two leaders": twice,
+        "no overlap of belief on real clocks": [f"{real:.3f} s"] if real > 0 else [],
+        f"at least {min_stale} stale writes attempted": [] if len(st) >= min_stale else
+        [f"only {len(st)}: the run could not have caught a fencing bug"],
+        "some writes accepted": [] if any(o["verdict"] == "accepted" for o in ops) else ["none: the run proves nothing"],
+    }
+    return {
+        "seed": run.get("seed"), "duration_s": run.get("duration"), "fenced": run.get("fenced", True),
+        "faults": run.get("faults", {}), "fault_total": sum(run.get("faults", {}).values()),
+        "writes_attempted": len(ops), "reads_failed": reads_failed,
+        "stale_attempted": len(st), "stale_refused": sum(1 for o in st if o["verdict"] == "refused"),
+        "stale_accepted": len(stale_landed), "stale_by_worker": by_worker,
+        "acknowledged_lost": lost,
+        "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": round(fast, 3),
+        "verdicts": verdict_counts(ops),
+        "oracle": {"points": len(points), "audit": sum(p["src"] == "audit" for p in points),
+                   "generations": sum(len(v) for v in reached.values()),
+                   "watch_relists": run.get("watch_relists", 0)},
+        "tokens_handed_out": len(owners),
+        "takeovers": takeovers(points),
+        "checks": {k: ("pass" if not v else "FAIL: " + "; ".join(v)) for k, v in checks.items()},
+    }
+
+
+def recheck(out):
+    """Checks a run again from the files it kept."""
+    run = json.load(open(os.path.join(out, "run.json")))
+    points = json.load(open(os.path.join(out, "lease-points.json")))
+    objects = json.load(open(os.path.join(out, "final-objects.json")))
+    ops, reads_failed = load_ops(out)
+    return check(dict(run, out=out), ops, objects, points, run["min_stale"], reads_failed)
+
+
+if __name__ == "__main__":
+    s = recheck(sys.argv[1])
+    print(json.dumps(s, indent=2))
+    sys.exit(0 if all(v == "pass" for v in s["checks"].values()) else 1)

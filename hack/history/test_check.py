@@ -1,0 +1,130 @@
+"""Tables for the history checker (python3 -m unittest discover -s hack/history -p 'test_*.py').
+
+Each case builds a tiny recorded run and asserts which checks the checker fails."""
+import json
+import os
+import tempfile
+import unittest
+
+import check
+
+UID = "u1"
+
+
+def point(t, gen, holder, src="audit", rv=None):
+    return {"t": t, "uid": UID, "gen": gen, "rv": rv or t, "holder": holder, "src": src}
+
+
+def op(worker, item, token, t_send, verdict, obj="history-0", rv=None, **kw):
+    o = {"worker": worker, "style": "rmw", "token": token, "uid": UID, "item": item, "obj": obj,
+         "t_send": t_send, "t_ack": t_send + 1, "verdict": verdict, **kw}
+    if rv is not None:
+        o["rv"] = rv
+    return o
+
+
+# The lease: generation 1 at t=0 (a), 2 at t=100 (b), 3 at t=200 (a again).
+POINTS = [point(0, 1, "a"), point(100, 2, "b"), point(200, 3, "a")]
+
+
+def run_check(ops, objects, points=POINTS, min_stale=1, events=()):
+    with tempfile.TemporaryDirectory() as out:
+        with open(os.path.join(out, "ops-x.jsonl"), "w") as f:
+            for o in ops:
+                f.write(json.dumps(o) + "\n")
+        with open(os.path.join(out, "w.events"), "w") as f:
+            for e in events:
+                f.write(json.dumps(e) + "\n")
+        loaded, failed_reads = check.load_ops(out)
+        s = check.check({"out": out}, loaded, objects, points, min_stale, failed_reads)
+    return s, {k for k, v in s["checks"].items() if v != "pass"}
+
+
+def shard(*items):
+    return {"data": {"items": ",".join(items), "counter": str(len(items))}}
+
+
+class CheckerTables(unittest.TestCase):
+    def test_fenced_history_passes(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10),
+               op("a", "i2", 1, 150, "refused"),  # token 1 after generation 2: stale, refused
+               op("b", "i3", 2, 160, "accepted", rv=11)]
+        s, failed = run_check(ops, {"history-0": shard("i1", "i3")})
+        self.assertEqual(failed, set())
+        self.assertEqual((s["stale_attempted"], s["stale_refused"], s["stale_accepted"]), (1, 1, 0))
+
+    def test_stale_accepted_fails(self):
+        ops = [op("b", "i3", 2, 160, "accepted", rv=11), op("b", "i4", 2, 250, "accepted", rv=12)]
+        s, failed = run_check(ops, {"history-0": shard("i3", "i4")})
+        self.assertIn("no stale write accepted", failed)
+        self.assertEqual(s["stale_accepted"], 1)
+
+    def test_ambiguous_stale_write_that_landed_counts(self):
+        ops = [op("b", "i4", 2, 250, "unknown")]
+        s, failed = run_check(ops, {"history-0": shard("i4")})
+        self.assertEqual(s["stale_accepted"], 1)
+        self.assertIn("no stale write accepted", failed)
+
+    def test_sent_before_the_lease_moved_is_not_stale(self):
+        ops = [op("a", "i1", 1, 99, "accepted", rv=10)]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0)
+        self.assertEqual((s["stale_attempted"], failed), (0, set()))
+
+    def test_token_going_down_fails(self):
+        ops = [op("b", "i3", 2, 90, "accepted", rv=11), op("a", "i4", 1, 95, "accepted", rv=12)]
+        _, failed = run_check(ops, {"history-0": shard("i3", "i4")}, min_stale=0)
+        self.assertEqual(failed, {"object tokens never went down"})
+
+    def test_lost_acknowledged_write_fails(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10), op("a", "i2", 1, 60, "accepted", rv=11)]
+        s, failed = run_check(ops, {"history-0": shard("i2")}, min_stale=0)
+        self.assertEqual((s["acknowledged_lost"], failed), (1, {"no acknowledged write lost"}))
+
+    def test_blind_last_write_must_be_the_final_state(self):
+        ops = [op("a", "b1", 1, 50, "accepted", obj="blind", rv=10),
+               op("a", "b2", 1, 60, "accepted", obj="blind", rv=11)]
+        _, failed = run_check(ops, {"blind": {"data": {"last": "b1"}}}, min_stale=0)
+        self.assertEqual(failed, {"no acknowledged write lost"})
+        ops.append(op("a", "b3", 1, 70, "unknown", obj="blind"))
+        _, failed = run_check(ops, {"blind": {"data": {"last": "b3"}}}, min_stale=0)
+        self.assertEqual(failed, set())
+
+    def test_hole_in_the_oracle_fails(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        points = [point(0, 1, "a"), point(200, 3, "a")]
+        _, failed = run_check(ops, {"history-0": shard("i1")}, points=points, min_stale=0)
+        self.assertEqual(failed, {"the lease's history is complete and increasing"})
+
+    def test_earliest_sighting_counts(self):
+        # The watch saw generation 2 at t=90, before the audit log's answer time.
+        points = POINTS + [point(90, 2, "b", src="watch")]
+        ops = [op("a", "i1", 1, 95, "refused")]
+        s, _ = run_check(ops, {"history-0": shard()}, points=points)
+        self.assertEqual(s["stale_refused"], 1)
+
+    def test_too_few_stale_attempts_fail(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        _, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=1)
+        self.assertEqual(failed, {"at least 1 stale writes attempted"})
+
+    def test_overlap_on_real_clocks_fails(self):
+        events = [{"event": "leading", "identity": "a", "lease_uid": UID, "token": 1, "t_ns": 0, "valid_until_ns": 10**10},
+                  {"event": "leading", "identity": "b", "lease_uid": UID, "token": 2, "t_ns": 5 * 10**9, "valid_until_ns": 15 * 10**9}]
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, events=events)
+        self.assertEqual(failed, {"no overlap of belief on real clocks"})
+        self.assertGreater(s["overlap_seconds"], 0)
+
+    def test_audit_parsing_keeps_spec_writes_only(self):
+        def line(sub, code, gen):
+            ref = {"resource": "fencedleases", "name": "hist", **({"subresource": sub} if sub else {})}
+            return json.dumps({"stage": "ResponseComplete", "objectRef": ref, "responseStatus": {"code": code},
+                               "stageTimestamp": "2026-12-01T03:00:00.000001Z",
+                               "responseObject": {"metadata": {"uid": UID, "generation": gen, "resourceVersion": "7"},
+                                                  "spec": {"holderIdentity": "a"}}})
+        pts = check.parse_audit([line(None, 200, 4), line("status", 200, 4), line(None, 409, 5), "{cut"], "hist")
+        self.assertEqual([(p["gen"], p["t"] % 10**9) for p in pts], [(4, 1000)])
+
+
+if __name__ == "__main__":
+    unittest.main()
