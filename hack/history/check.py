@@ -294,7 +294,7 @@ def check(run, ops, objects, points, min_stale, reads_failed=0):
         "verdicts": verdict_counts(ops),
         "oracle": {"points": len(points), "audit": sum(p["src"] == "audit" for p in points),
                    "generations": sum(len(v) for v in reached.values()),
-                   "watch_relists": run.get("watch_relists", 0)},
+                   "watch_relists": run.get("watch_relists", 0), "watch_errors": run.get("watch_errors", {})},
         "tokens_handed_out": len(owners),
         "takeovers": takeovers(points),
         "checks": {k: ("pass" if not v else "FAIL: " + "; ".join(v)) for k, v in checks.items()},

@@ -32,6 +32,7 @@ LEASE_SECONDS = 2
 SHARD_SECONDS = 120
 LEASES = f"/apis/fencedlease.io/v1alpha1/namespaces/{NS}/fencedleases"
 CMS = f"/api/v1/namespaces/{NS}/configmaps"
+SELECT = f"fieldSelector=metadata.name%3D{LEASE}"
 # Who leads (the lease's holderIdentity) -> its processes: the whole "pod", and the candidate
 # alone. The sidecar-backed apps are other containers of the sidecar's pod.
 SIDECAR_POD = ["sidecar", "s-http", "s-file", "s-deaf"]
@@ -135,6 +136,7 @@ class Run:
         self.points = []  # the lease as the watch saw it (check.lease_point)
         self.rv = None
         self.watch_relists = 0
+        self.watch_errors = {}  # message -> count
         self.faults = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -295,16 +297,21 @@ class Run:
         while not self.stop.is_set():
             try:
                 if self.rv is None:
-                    code, lease = self.kube.request("GET", f"{LEASES}/{LEASE}", timeout=3)
+                    # A list, not a GET: the list's resourceVersion is now, while the object's
+                    # may lie before a restarted API server's watch window (410 again).
+                    code, items = self.kube.request("GET", f"{LEASES}?{SELECT}", timeout=3)
                     if code != 200:
-                        raise OSError(f"GET lease: {code}")
-                    self.note(lease)
-                path = (f"{LEASES}?fieldSelector=metadata.name%3D{LEASE}&resourceVersion={self.rv}"
-                        "&allowWatchBookmarks=true&timeoutSeconds=20")
+                        raise OSError(f"list leases: {code}")
+                    for lease in items["items"]:
+                        self.note(lease)
+                    self.rv = items["metadata"]["resourceVersion"]
+                path = f"{LEASES}?{SELECT}&resourceVersion={self.rv}&allowWatchBookmarks=true&timeoutSeconds=20"
                 for ev in self.kube.watch(path, timeout=30):
                     if ev.get("type") == "ERROR":
                         self.rv = None
                         self.watch_relists += 1
+                        msg = str((ev.get("object") or {}).get("message", ev))[:120]
+                        self.watch_errors[msg] = self.watch_errors.get(msg, 0) + 1
                         break
                     self.note(ev.get("object", {}), bookmark=ev.get("type") == "BOOKMARK")
                     if self.stop.is_set():
@@ -434,7 +441,8 @@ class Run:
         self.note(self.final(f"{LEASES}/{LEASE}"))
         points = self.points + check.parse_audit(open(self.a.audit_log), LEASE)
         run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced,
-               "faults": self.faults, "watch_relists": self.watch_relists, "min_stale": self.a.min_stale}
+               "faults": self.faults, "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
+               "min_stale": self.a.min_stale}
         for name, value in (("run.json", run), ("lease-points.json", points), ("final-objects.json", objects)):
             json.dump(value, open(os.path.join(self.out, name), "w"))
         ops, reads_failed = check.load_ops(self.out)
