@@ -39,7 +39,16 @@ export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((b
 export FL_AUDIT_POLICY="$FL_REPO/hack/history/audit-policy.yaml"
 out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed${unfenced:+-unfenced}}"
 rm -rf "$out" && mkdir -p "$out"
-trap 'hack/cluster.sh down; ip netns del "flh$base" 2>/dev/null || true' EXIT
+# Clean-up, even when the run crashed: its processes run in sessions of their own (run.py
+# writes their pids; the apps' command lines name $out), its namespace, its cluster.
+cleanup() {
+  [ -f "$out/pids" ] && xargs -r kill -9 <"$out/pids" 2>/dev/null || true
+  pkill -9 -f -- "$out/" 2>/dev/null || true
+  ip netns pids "flh$base" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+  ip netns del "flh$base" 2>/dev/null || true
+  hack/cluster.sh down
+}
+trap cleanup EXIT
 hack/cluster.sh down
 hack/cluster.sh up
 # FL_HISTORY_BIN: a fencedlease binary to test instead of building one (a long run keeps its

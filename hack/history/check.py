@@ -26,13 +26,17 @@ def lease_point(obj, t_ns, source):
     m = obj.get("metadata") or {}
     if "generation" not in m:
         return None
-    return {"t": t_ns, "uid": m["uid"], "gen": int(m["generation"]), "rv": int(m["resourceVersion"]),
+    if "uid" not in m:
+        return None
+    return {"t": t_ns, "uid": m["uid"], "gen": int(m["generation"]), "rv": int(m.get("resourceVersion") or 0),
             "holder": (obj.get("spec") or {}).get("holderIdentity"), "src": source}
 
 
 def parse_audit(lines, name):
-    """Spec writes of the FencedLease `name` that succeeded, from audit log lines."""
-    out = []
+    """(lease points, items of blind writes stored) from audit log lines. A lease point comes
+    from each successful spec write (the object as stored, at the answer's time) and from each
+    write's request (the generation its writer had read, at the time the request arrived)."""
+    points, blind = [], set()
     for line in lines:
         if not line.strip():
             continue
@@ -41,15 +45,26 @@ def parse_audit(lines, name):
         except ValueError:
             continue  # a line cut short by a SIGKILL of the API server
         ref = e.get("objectRef") or {}
-        if (e.get("stage") != "ResponseComplete" or ref.get("resource") != LEASE_RESOURCE
-                or ref.get("subresource") or ref.get("name") != name):
+        if e.get("stage") != "ResponseComplete":
             continue
-        if (e.get("responseStatus") or {}).get("code", 0) >= 300 or not e.get("responseObject"):
+        ok = (e.get("responseStatus") or {}).get("code", 0) < 300
+        if ref.get("resource") == "configmaps" and ref.get("name") == "blind":
+            item = ((e.get("requestObject") or {}).get("data") or {}).get("last")
+            if ok and item:
+                blind.add(item)
             continue
-        p = lease_point(e["responseObject"], ts_ns(e["stageTimestamp"]), "audit")
-        if p:
-            out.append(p)
-    return out
+        if ref.get("resource") != LEASE_RESOURCE or ref.get("name") != name:
+            continue
+        if e.get("requestObject"):
+            p = lease_point(e["requestObject"], ts_ns(e["requestReceivedTimestamp"]), "audit-request")
+            if p:
+                p["holder"] = None  # what the writer read, not what it wrote
+                points.append(p)
+        if ok and not ref.get("subresource") and e.get("responseObject"):
+            p = lease_point(e["responseObject"], ts_ns(e["stageTimestamp"]), "audit")
+            if p:
+                points.append(p)
+    return points, blind
 
 
 def build_oracle(points):
@@ -101,6 +116,33 @@ class Staleness:
         g = self.reached_before(op["uid"], op["t_send"])
         return g is not None and op["token"] < g
 
+    def stale_since(self, uid, token):
+        """When the lease was first known past `token`."""
+        i = bisect.bisect_right(self.best.get(uid, []), token)
+        return self.times[uid][i] if i < len(self.times.get(uid, [])) else None
+
+
+def holder_timeline(points):
+    """[(t, holder)]: who the newest generation known at each time named."""
+    out, gen = [], -1
+    for p in sorted((p for p in points if p["src"] in ("audit", "watch")), key=lambda p: p["t"]):
+        if p["gen"] > gen:
+            gen = p["gen"]
+            out.append((p["t"], p["holder"]))
+    return out
+
+
+def fault_hits(fault_log, points):
+    """How many faults aimed at the holder found it holding, by the oracle's history."""
+    line = holder_timeline(points)
+    times = [t for t, _ in line]
+    aimed = [f for f in fault_log if f.get("target")]
+    hit = 0
+    for f in aimed:
+        i = bisect.bisect_right(times, f["t0"])
+        hit += i > 0 and line[i - 1][1] == f["target"]
+    return {"aimed_at_holder": len(aimed), "holder_confirmed": hit}
+
 
 def load_ops(out):
     """Every write attempt with its outcome; a "sent" record with none is ambiguous."""
@@ -132,11 +174,12 @@ def landed_items(objects):
     return shards, blind_last
 
 
-def check_objects(ops, objects):
-    """(landed set of items, acknowledged_lost, violations) from the final objects."""
+def check_objects(ops, objects, blind_stored=frozenset()):
+    """(landed set of items, acknowledged_lost, violations) from the final objects and the
+    blind writes the audit log says were stored."""
     shards, blind_last = landed_items(objects)
     violations, lost = [], 0
-    landed = set()
+    landed = set(blind_stored)
     for name, (items, counter) in shards.items():
         landed.update(items)
         pos = {item: n for n, item in enumerate(items)}
@@ -208,19 +251,16 @@ def beliefs(out):
     return claims, owners
 
 
-def overlaps(claims):
-    """(seconds two real-clock candidates both believed they led, the same with the fast one)."""
-    real, fast = 0, 0
+def overlap(claims):
+    """Seconds two real-clock candidates both believed they led. (The fast-clock candidate's
+    event times come from its faked clock and cannot be compared: it is left out.)"""
+    real = 0
+    claims = [c for c in claims if not c[3]]
     for i, a in enumerate(claims):
         for b in claims[i + 1:]:
-            if a[2] == b[2]:
-                continue
-            d = max(0, min(a[1], b[1]) - max(a[0], b[0]))
-            if a[3] or b[3]:
-                fast += d
-            else:
-                real += d
-    return real / 1e9, fast / 1e9
+            if a[2] != b[2]:
+                real += max(0, min(a[1], b[1]) - max(a[0], b[0]))
+    return real / 1e9
 
 
 def takeovers(points):
@@ -253,47 +293,65 @@ def verdict_counts(ops):
     return counts
 
 
-def check(run, ops, objects, points, min_stale, reads_failed=0):
+def stale_writes(ops, stale, landed):
+    """(stale writes sent, those the fence judged: refused or stored, those stored)."""
+    sent = [o for o in ops if o.get("uid") and stale.is_stale(o)]
+    stored = [o for o in sent if o["verdict"] == "accepted" or (o["verdict"] == "unknown" and o["item"] in landed)]
+    ids = {id(o) for o in stored}
+    judged = [o for o in sent if o["verdict"] == "refused" or id(o) in ids]
+    return sent, judged, stored
+
+
+def by_worker(judged, stored, stale):
+    ids, out = {id(o) for o in stored}, {}
+    for o in judged:
+        w = out.setdefault(o["worker"], {"attempted": 0, "refused": 0, "accepted": 0, "within_1s": 0})
+        w["attempted"] += 1
+        w["refused"] += o["verdict"] == "refused"
+        w["accepted"] += id(o) in ids
+        w["within_1s"] += o["t_send"] - stale.stale_since(o["uid"], o["token"]) < 10**9
+    return out
+
+
+def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=frozenset(), fault_log=()):
     """The summary of a run; its `checks` say pass or why not."""
     reached, oracle_problems = build_oracle(points)
     stale = Staleness(reached)
-    landed, lost, object_violations = check_objects(ops, objects)
-    st = [o for o in ops if o.get("uid") and stale.is_stale(o)]
-    stale_landed = [o for o in st if o["verdict"] == "accepted" or (o["verdict"] == "unknown" and o["item"] in landed)]
-    landed_ids = {id(o) for o in stale_landed}
-    by_worker = {}
-    for o in st:
-        w = by_worker.setdefault(o["worker"], {"attempted": 0, "refused": 0, "accepted": 0})
-        w["attempted"] += 1
-        w["refused"] += o["verdict"] == "refused"
-        w["accepted"] += id(o) in landed_ids
+    landed, lost, object_violations = check_objects(ops, objects, blind_stored)
+    sent, judged, stored = stale_writes(ops, stale, landed)
     claims, owners = beliefs(run["out"])
-    real, fast = overlaps(claims)
+    real = overlap(claims)
     twice = [f"token {t} of lease {u} was handed to two leaders: {sorted(w)}" for (u, t), w in owners.items() if len(w) > 1]
+    faults = run.get("faults", {})
     checks = {
         "no stale write accepted": [f"{o['worker']} wrote {o['item']} with token {o['token']}, below generation "
                                     f"{stale.reached_before(o['uid'], o['t_send'])} reached before it was sent"
-                                    for o in stale_landed[:5]],
+                                    for o in stored[:5]],
         "object tokens never went down": tokens_never_down(ops),
         "no acknowledged write lost": object_violations,
         "the lease's history is complete and increasing": oracle_problems,
         "no token handed to two leaders": twice,
         "no overlap of belief on real clocks": [f"{real:.3f} s"] if real > 0 else [],
-        f"at least {min_stale} stale writes attempted": [] if len(st) >= min_stale else
-        [f"only {len(st)}: the run could not have caught a fencing bug"],
+        f"at least {min_stale} stale writes judged by the fence": [] if len(judged) >= min_stale else
+        [f"only {len(judged)}: the run could not have caught a fencing bug"],
+        "every fault injected": [k for k in faults if k.endswith("_failed")],
         "some writes accepted": [] if any(o["verdict"] == "accepted" for o in ops) else ["none: the run proves nothing"],
     }
     return {
         "seed": run.get("seed"), "duration_s": run.get("duration"), "fenced": run.get("fenced", True),
-        "faults": run.get("faults", {}), "fault_total": sum(run.get("faults", {}).values()),
+        "faults": faults, "fault_total": sum(faults.values()), "fault_targets": fault_hits(fault_log, points),
         "writes_attempted": len(ops), "reads_failed": reads_failed,
-        "stale_attempted": len(st), "stale_refused": sum(1 for o in st if o["verdict"] == "refused"),
-        "stale_accepted": len(stale_landed), "stale_by_worker": by_worker,
+        "stale_sent": len(sent), "stale_attempted": len(judged),
+        "stale_refused": sum(1 for o in judged if o["verdict"] == "refused"),
+        "stale_accepted": len(stored),
+        "stale_within_1s": sum(w["within_1s"] for w in by_worker(judged, stored, stale).values()),
+        "stale_by_worker": by_worker(judged, stored, stale),
         "acknowledged_lost": lost,
-        "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": round(fast, 3),
+        "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": None,
         "verdicts": verdict_counts(ops),
         "oracle": {"points": len(points), "audit": sum(p["src"] == "audit" for p in points),
-                   "generations": sum(len(v) for v in reached.values()),
+                   "audit_requests": sum(p["src"] == "audit-request" for p in points),
+                   "generations": sum(len(v) for v in reached.values()), "blind_stored": len(blind_stored),
                    "watch_relists": run.get("watch_relists", 0), "watch_errors": run.get("watch_errors", {})},
         "tokens_handed_out": len(owners),
         "takeovers": takeovers(points),
@@ -304,10 +362,13 @@ def check(run, ops, objects, points, min_stale, reads_failed=0):
 def recheck(out):
     """Checks a run again from the files it kept."""
     run = json.load(open(os.path.join(out, "run.json")))
-    points = json.load(open(os.path.join(out, "lease-points.json")))
     objects = json.load(open(os.path.join(out, "final-objects.json")))
+    points = json.load(open(os.path.join(out, "watch-points.json")))
+    with open(os.path.join(out, "audit.log")) as f:
+        audit, blind = parse_audit(f, run["lease"])
     ops, reads_failed = load_ops(out)
-    return check(dict(run, out=out), ops, objects, points, run["min_stale"], reads_failed)
+    faults = [json.loads(line) for line in open(os.path.join(out, "faults.jsonl"))]
+    return check(dict(run, out=out), ops, objects, points + audit, run["min_stale"], reads_failed, blind, faults)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@ brings one up), because the nemesis restarts its API server and etcd. Writes DIR
 and exits 1 unless every check passed. --unfenced leaves the webhook out of the path: the
 same workload, and the checker must then fail."""
 import argparse
+import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import check  # noqa: E402
@@ -138,6 +141,7 @@ class Run:
         self.watch_relists = 0
         self.watch_errors = {}  # message -> count
         self.faults = {}
+        self.fault_log = open(os.path.join(self.out, "faults.jsonl"), "a", buffering=1)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.api_port = int(self.kube.server.rsplit(":", 1)[1])
@@ -150,6 +154,8 @@ class Run:
         p = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                              env=env or self.env, start_new_session=True)
         self.procs[name] = (p, argv, env)
+        with open(os.path.join(self.out, "pids"), "a") as f:  # hack/history.sh's clean-up
+            f.write(f"{p.pid}\n")
 
     def send(self, name, sig):
         """Signals a process as a whole: every process group in its tree (`campaign` runs its
@@ -179,8 +185,8 @@ class Run:
                 "--shard-seconds", str(SHARD_SECONDS), "--shards", str(self.shards), *extra]
         return argv + (["--server", server] if server else [])
 
-    def campaign(self, name, style, kubeconfig=None, server=None, prefix=()):
-        env = dict(self.env, KUBECONFIG=kubeconfig or self.front_kc)
+    def campaign(self, name, style, kubeconfig=None, server=None, prefix=(), extra_env=None):
+        env = dict(self.env, KUBECONFIG=kubeconfig or self.front_kc, **(extra_env or {}))
         # The app's clock stays real when the candidate's is faked: its times are compared
         # with the lease's history.
         worker = ["env", "-u", "LD_PRELOAD", "-u", "FAKETIME"] + self.app(name, "env", style, server=server,
@@ -268,7 +274,9 @@ class Run:
         self.campaign("w1", "blind")
         # Inside its namespace, 127.0.0.1:<API port> is the relay out through the veth pair.
         self.campaign("w2", "rmw", kubeconfig=self.a.kubeconfig, prefix=self.part.inside())
-        self.campaign("w-skew", "rmw", prefix=("faketime", "-f", "+3600 x1.5"))
+        # libfaketime preloaded directly: the `faketime` wrapper forks, and a SIGSTOP of the
+        # candidate would stop only the wrapper.
+        self.campaign("w-skew", "rmw", extra_env={"LD_PRELOAD": faketime_lib(), "FAKETIME": "+3600 x1.5"})
         self.campaign("w-hang", "blind", kubeconfig=self.hang_kc, server=f"https://127.0.0.1:{self.hang.port}")
 
     def sidecar_pod(self):
@@ -332,16 +340,26 @@ class Run:
 
     # nemesis ---------------------------------------------------------------------------
     def nemesis(self, faults, rng):
+        try:
+            self.faults_from(faults, rng)
+        except Exception:  # the run must not pass with a nemesis that stopped early
+            traceback.print_exc()
+            with self.lock:
+                self.faults["nemesis_failed"] = 1
+
+    def faults_from(self, faults, rng):
         kinds = [k for k, w in faults.items() for _ in range(w)]
         end = time.time() + self.a.duration
         while time.time() < end:
             time.sleep(rng.uniform(0.5, 2.0))
-            h = self.holder()
+            h, t0 = self.holder(), now()
             kind = self.inject(rng.choice(kinds), h, rng)
             if kind:
                 say(f"nemesis: {kind} (holder {h})")
+                target = h if faults is HOLDER_FAULTS else None
                 with self.lock:
                     self.faults[kind] = self.faults.get(kind, 0) + 1
+                    self.fault_log.write(json.dumps({"kind": kind, "target": target, "t0": t0, "t1": now()}) + "\n")
 
     def inject(self, kind, h, r):
         """Injects one fault and returns its name; None when it does not apply now (no holder
@@ -370,7 +388,10 @@ class Run:
             self.restart(kind, signal.SIGKILL, delay=r.uniform(0.0, 1.5))
         elif kind in ("apiserver", "etcd"):
             comp = "kube-apiserver" if kind == "apiserver" else "etcd"
-            sh(os.path.join(REPO, "hack", "cluster.sh"), "restart", comp, "hard")
+            done = sh(os.path.join(REPO, "hack", "cluster.sh"), "restart", comp, "hard")
+            if done.returncode:
+                say(f"restarting {comp} failed: {done.stderr.strip()[-300:]}")
+                return kind + "_failed"
             time.sleep(r.uniform(0.0, 1.0))
         elif kind == "hang":
             self.hang.frozen.set()
@@ -439,14 +460,21 @@ class Run:
     def judge(self):
         objects = {n: self.final(f"{CMS}/{n}") for n in [f"history-{i}" for i in range(self.shards)] + ["blind"]}
         self.note(self.final(f"{LEASES}/{LEASE}"))
-        points = self.points + check.parse_audit(open(self.a.audit_log), LEASE)
-        run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced,
+        shutil.copy(self.a.audit_log, os.path.join(self.out, "audit.log"))
+        run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced, "lease": LEASE,
                "faults": self.faults, "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
                "min_stale": self.a.min_stale}
-        for name, value in (("run.json", run), ("lease-points.json", points), ("final-objects.json", objects)):
+        for name, value in (("run.json", run), ("watch-points.json", self.points), ("final-objects.json", objects)):
             json.dump(value, open(os.path.join(self.out, name), "w"))
-        ops, reads_failed = check.load_ops(self.out)
-        return check.check(dict(run, out=self.out), ops, objects, points, self.a.min_stale, reads_failed)
+        self.fault_log.close()
+        return check.recheck(self.out)
+
+
+def faketime_lib():
+    found = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+    if not found:
+        raise SystemExit("history: libfaketime.so.1 not found (Debian package libfaketime)")
+    return found[0]
 
 
 def free_port():

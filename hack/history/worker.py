@@ -79,6 +79,8 @@ def verdict_of(code, out):
     msg = out.get("message", "") if isinstance(out, dict) else str(out)
     if "fencedlease: " in msg and "denied the request" in msg:
         return "refused", msg[:300]
+    if "failed calling webhook" in msg:
+        return "error", msg[:300]  # refused for want of an answer (fail closed): not stored
     if code == 409:
         return "conflict", msg[:300]
     if code >= 500:
@@ -93,6 +95,7 @@ class App:
         self.log = open(a.log, "a", buffering=1)
         self.rng = random.Random()
         self.seq = 0
+        self.tag = uuid.uuid4().hex[:10]  # items stay unique when process ids are reused
         self.kept = (None, None)  # the last token this app had (for --deaf)
 
     def token(self):
@@ -149,7 +152,7 @@ class App:
         self.seq += 1
         style = self.a.style if self.a.style != "mixed" else self.rng.choice(["rmw", "blind"])
         rec = {"worker": self.a.name, "style": style, "token": int(tok), "uid": uid,
-               "item": f"{self.a.name}.{os.getpid()}.{self.seq}"}
+               "item": f"{self.a.name}.{self.tag}.{self.seq}"}
         if kept:
             rec["kept"] = True  # the source had no token: a deaf app's leftover
         try:
