@@ -14,6 +14,8 @@ import os
 import sys
 
 LEASE_RESOURCE = "fencedleases"
+# The fast-clock candidate's libfaketime setting: an hour ahead, running 1.5 times too fast.
+FAST_CLOCK = {"offset_s": 3600, "rate": 1.5}
 
 
 def ts_ns(text):
@@ -224,13 +226,27 @@ def tokens_never_down(ops):
     return out
 
 
-def beliefs(out):
-    """Leadership claims [start, end, identity, fast_clock] from the candidates' event logs."""
+class FakeClock:
+    """Real times from the fast-clock candidate's faked ones. libfaketime with "+O xR" shows
+    start + O + (now - start) * R, counted from the process's start; each "started" event (a
+    new process) gives the start, off by the few ms the process took to write it."""
+
+    def __init__(self, offset_s, rate):
+        self.offset, self.rate, self.start = int(offset_s * 1e9), rate, None
+
+    def real(self, t):
+        return None if self.start is None else self.start + (t - self.start - self.offset) / self.rate
+
+
+def beliefs(out, fast_clock=None):
+    """Leadership claims [start, end, identity, fast_clock] from the candidates' event logs,
+    in real time (the fast-clock candidate's converted, when its clock is known)."""
     claims, owners = [], {}
     for f in sorted(os.listdir(out)):
         if not f.endswith(".events"):
             continue
-        fast = f.startswith("w-skew")  # its times come from a faked clock: not comparable
+        fast = f.startswith("w-skew")
+        clock = FakeClock(**fast_clock) if fast and fast_clock else None
         cur = None
         with open(os.path.join(out, f)) as fh:
             lines = fh.readlines()
@@ -239,28 +255,41 @@ def beliefs(out):
                 e = json.loads(line)
             except ValueError:
                 continue
+            t, until = e["t_ns"], e.get("valid_until_ns", e["t_ns"])
+            if clock:
+                if e["event"] == "started":
+                    clock.start = t - clock.offset
+                t, until = clock.real(t), clock.real(until)
+            if t is None or (fast and not clock):
+                if e["event"] == "leading":
+                    owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
+                continue
             if e["event"] == "leading":
                 owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
-                cur = [e["t_ns"], e.get("valid_until_ns", e["t_ns"]), e["identity"], fast]
+                cur = [t, until, e["identity"], fast]
                 claims.append(cur)
-            elif e["event"] == "renewed" and cur and e["t_ns"] < cur[1]:
-                cur[1] = max(cur[1], e.get("valid_until_ns", cur[1]))
+            elif e["event"] == "renewed" and cur and t < cur[1]:
+                cur[1] = max(cur[1], until)
             elif e["event"] in ("stopped", "exited") and cur:
-                cur[1] = min(cur[1], e["t_ns"])
+                cur[1] = min(cur[1], t)
                 cur = None
     return claims, owners
 
 
 def overlap(claims):
-    """Seconds two real-clock candidates both believed they led. (The fast-clock candidate's
-    event times come from its faked clock and cannot be compared: it is left out.)"""
-    real = 0
-    claims = [c for c in claims if not c[3]]
+    """(seconds two real-clock candidates both believed they led, seconds the fast-clock one
+    believed it led while a real-clock one did too)."""
+    real = fast = 0
     for i, a in enumerate(claims):
         for b in claims[i + 1:]:
-            if a[2] != b[2]:
-                real += max(0, min(a[1], b[1]) - max(a[0], b[0]))
-    return real / 1e9
+            if a[2] == b[2]:
+                continue
+            d = max(0, min(a[1], b[1]) - max(a[0], b[0]))
+            if a[3] or b[3]:
+                fast += d
+            else:
+                real += d
+    return real / 1e9, fast / 1e9
 
 
 def takeovers(points):
@@ -319,8 +348,8 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
     stale = Staleness(reached)
     landed, lost, object_violations = check_objects(ops, objects, blind_stored)
     sent, judged, stored = stale_writes(ops, stale, landed)
-    claims, owners = beliefs(run["out"])
-    real = overlap(claims)
+    claims, owners = beliefs(run["out"], run.get("fast_clock", FAST_CLOCK))
+    real, fast = overlap(claims)
     twice = [f"token {t} of lease {u} was handed to two leaders: {sorted(w)}" for (u, t), w in owners.items() if len(w) > 1]
     faults = run.get("faults", {})
     checks = {
@@ -347,7 +376,7 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
         "stale_within_1s": sum(w["within_1s"] for w in by_worker(judged, stored, stale).values()),
         "stale_by_worker": by_worker(judged, stored, stale),
         "acknowledged_lost": lost,
-        "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": None,
+        "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": round(fast, 3),
         "verdicts": verdict_counts(ops),
         "oracle": {"points": len(points), "audit": sum(p["src"] == "audit" for p in points),
                    "audit_requests": sum(p["src"] == "audit-request" for p in points),

@@ -276,7 +276,8 @@ class Run:
         self.campaign("w2", "rmw", kubeconfig=self.a.kubeconfig, prefix=self.part.inside())
         # libfaketime preloaded directly: the `faketime` wrapper forks, and a SIGSTOP of the
         # candidate would stop only the wrapper.
-        self.campaign("w-skew", "rmw", extra_env={"LD_PRELOAD": faketime_lib(), "FAKETIME": "+3600 x1.5"})
+        self.campaign("w-skew", "rmw", extra_env={"LD_PRELOAD": faketime_lib(),
+                                                  "FAKETIME": "+{offset_s} x{rate}".format(**check.FAST_CLOCK)})
         self.campaign("w-hang", "blind", kubeconfig=self.hang_kc, server=f"https://127.0.0.1:{self.hang.port}")
 
     def sidecar_pod(self):
@@ -463,6 +464,7 @@ class Run:
         shutil.copy(self.a.audit_log, os.path.join(self.out, "audit.log"))
         run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced, "lease": LEASE,
                "faults": self.faults, "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
+               "fast_clock": check.FAST_CLOCK,
                "min_stale": self.a.min_stale}
         for name, value in (("run.json", run), ("watch-points.json", self.points), ("final-objects.json", objects)):
             json.dump(value, open(os.path.join(self.out, name), "w"))

@@ -115,6 +115,12 @@ class CheckerTables(unittest.TestCase):
         self.assertEqual(failed, {"no overlap of belief on real clocks"})
         self.assertGreater(s["overlap_seconds"], 0)
 
+    def test_the_fast_clock_is_read_back_in_real_time(self):
+        clock = check.FakeClock(offset_s=3600, rate=1.5)
+        start = 10**18
+        clock.start = start  # the "started" event said start + 3600 s on its clock
+        self.assertEqual(clock.real(start + 3600 * 10**9 + 3 * 10**9), start + 2 * 10**9)
+
     def test_audit_parsing_keeps_spec_writes_only(self):
         def line(sub, code, gen):
             ref = {"resource": "fencedleases", "name": "hist", **({"subresource": sub} if sub else {})}
