@@ -13,6 +13,11 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=hack/lib.sh
 source "$HERE/../hack/lib.sh"
+# The benchmarks build from Kubernetes v1.20.2's source tree (Debian's package), which only the
+# legacy build unpacks, and their recorded results are on that release: pin it (exported, so
+# that hack/k8s-binaries.sh builds the same one).
+FL_K8S_VERSION="$FL_K8S_LEGACY_VERSION"
+export FL_K8S_VERSION
 
 TREE="$FL_CACHE/k8s-$FL_K8S_VERSION/src/kubernetes"
 OUT_DIR="${FL_BENCH_CACHE:-$FL_CACHE/bench}"

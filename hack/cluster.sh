@@ -16,6 +16,11 @@
 #   kubeconfig, pki/, logs/{etcd,kube-apiserver,kube-controller-manager}.log, pids/.
 # Ports (override with the variables): etcd $FL_ETCD_PORT (12379) and $FL_ETCD_PEER_PORT
 # (12380), kube-apiserver $FL_APISERVER_PORT (16443), controller-manager $FL_KCM_PORT (16257).
+# Version: FL_K8S_VERSION (default: hack/lib.sh's FL_K8S_DEFAULT_VERSION, the newest release we
+# build; 1.20.2 is the oldest we support), built by hack/k8s-binaries.sh; with KUBEBUILDER_ASSETS,
+# whatever version those binaries are. The flags follow the version the kube-apiserver binary
+# reports, not the variable, so that brought-in binaries get the right ones. `up` on a healthy
+# cluster of other binaries (another version asked for) stops it and starts the asked one.
 # Auditing: with FL_AUDIT_POLICY set to an audit policy file, the API server writes its audit
 # log (JSON lines, blocking mode: an event is written before the response is sent) to
 # $FENCEDLEASE_CLUSTER_DIR/logs/audit.log; the history test takes the lease's history from it.
@@ -156,15 +161,22 @@ KC
 }
 
 up() {
-  if healthy; then
-    log "local Kubernetes already running: export KUBECONFIG=$KUBECONFIG_PATH"
-    return 0
-  fi
-  down
   command -v curl >/dev/null && command -v openssl >/dev/null && command -v ss >/dev/null ||
     apt_install curl openssl iproute2
-  local bins
+  local bins minor
   bins=$("$FL_REPO/hack/k8s-binaries.sh")
+  if healthy; then
+    # A cluster started before bin-dir was recorded is kept as it is: we cannot tell.
+    local running
+    running=$(cat "$DIR/bin-dir" 2>/dev/null || echo "$bins")
+    if [ "$running" = "$bins" ]; then
+      log "local Kubernetes already running: export KUBECONFIG=$KUBECONFIG_PATH"
+      return 0
+    fi
+    log "the running cluster uses $running, not $bins (FL_K8S_VERSION=$FL_K8S_VERSION): restarting it with those"
+  fi
+  down
+  minor=$(binary_minor "$bins/kube-apiserver")
   for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT"; do
     port_free "$port" || die "port $port on 127.0.0.1 is taken by another program (see: ss -ltnp 'sport = :$port'); stop it or set FL_*_PORT"
   done
@@ -172,6 +184,7 @@ up() {
   rm -f "$DIR"/logs/*.log
   mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd"
   chmod 700 "$DIR/etcd"
+  echo "$bins" >"$DIR/bin-dir"
   pki
   log "starting etcd on 127.0.0.1:$ETCD_PORT"
   start etcd "$bins/etcd" --name=fencedlease --data-dir="$DIR/etcd" \
@@ -187,10 +200,27 @@ up() {
     audit=(--audit-policy-file="$FL_AUDIT_POLICY" --audit-log-path="$DIR/logs/audit.log"
       --audit-log-mode=blocking --audit-log-format=json --audit-log-maxsize=100000)
   fi
-  log "starting kube-apiserver on 127.0.0.1:$API_PORT"
+  # Flags that exist only in some versions. The insecure ports (--insecure-port on
+  # kube-apiserver, --port on kube-controller-manager) were gone by 1.24; in 1.20 they default
+  # to open HTTP ports (8080, 10252) that would collide between clusters, so 0 turns them off.
+  # Checked on the two versions built here (1.20.2 and 1.37.2), not on those in between.
+  local api_version_flags=() kcm_version_flags=()
+  if [ "$minor" -lt 24 ]; then
+    api_version_flags+=(--insecure-port=0)
+    kcm_version_flags+=(--port=0)
+  else
+    # v1.37.2 refuses to start with a loopback --advertise-address while its endpoint reconciler
+    # would publish it as the `kubernetes` Service's endpoint ("may not be in the loopback
+    # range"), and this machine has no other address. Nothing here needs that endpoint (there is
+    # no kube-proxy; hack/node.sh sends the Service IP to the API server by NAT), so publish none.
+    api_version_flags+=(--endpoint-reconciler-type=none)
+  fi
+  # ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) is GA and on by default from
+  # 1.30; nothing to enable. Older servers simply lack it.
+  log "starting kube-apiserver v1.$minor on 127.0.0.1:$API_PORT"
   start kube-apiserver "$bins/kube-apiserver" \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --secure-port="$API_PORT" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --insecure-port=0 \
+    --secure-port="$API_PORT" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 "${api_version_flags[@]}" \
     --cert-dir="$DIR/pki" --tls-cert-file="$DIR/pki/apiserver.crt" --tls-private-key-file="$DIR/pki/apiserver.key" \
     --client-ca-file="$DIR/pki/ca.crt" \
     --service-cluster-ip-range=10.0.0.0/24 --authorization-mode=RBAC \
@@ -207,13 +237,21 @@ up() {
   start kube-controller-manager "$bins/kube-controller-manager" \
     --kubeconfig="$KUBECONFIG_PATH" --authentication-kubeconfig="$KUBECONFIG_PATH" \
     --authorization-kubeconfig="$KUBECONFIG_PATH" \
-    --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --port=0 --leader-elect=false \
+    --bind-address=127.0.0.1 --secure-port="$KCM_PORT" "${kcm_version_flags[@]}" --leader-elect=false \
     --use-service-account-credentials=true \
     --service-account-private-key-file="$DIR/pki/sa.key" --root-ca-file="$DIR/pki/ca.crt" \
     --cert-dir="$DIR/pki/kcm"
   wait_for kube-controller-manager 60 "$DIR/logs/kube-controller-manager.log" \
     curl -fsSk --max-time 2 "https://127.0.0.1:$KCM_PORT/healthz"
-  log "local Kubernetes v$FL_K8S_VERSION is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
+  log "local Kubernetes $("$bins/kube-apiserver" --version | cut -d' ' -f2) is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
+}
+
+# binary_minor KUBE_BINARY: the minor version the binary reports ("Kubernetes v1.37.2" -> 37).
+binary_minor() {
+  local v
+  v=$("$1" --version 2>/dev/null | sed -n 's/^Kubernetes v1\.\([0-9][0-9]*\)\..*/\1/p')
+  [ -n "$v" ] || die "$1 --version does not say 'Kubernetes v1.N...' (it says: $("$1" --version 2>&1 | head -n1)); a build without version stamps? remove its folder and rerun hack/k8s-binaries.sh"
+  echo "$v"
 }
 
 healthy_probe() {

@@ -1,7 +1,12 @@
 # Shared helpers for the hack/ scripts. Source it; do not run it.
 # shellcheck shell=bash
 
-FL_K8S_VERSION="${FL_K8S_VERSION:-1.20.2}"
+# Kubernetes versions (hack/k8s-binaries.sh builds them, hack/cluster.sh starts them):
+# the default is the newest release that builds from the Go modules and runs here; the legacy one
+# is the oldest we support, built from Debian's source package.
+FL_K8S_DEFAULT_VERSION=1.37.2
+FL_K8S_LEGACY_VERSION=1.20.2
+FL_K8S_VERSION="${FL_K8S_VERSION:-$FL_K8S_DEFAULT_VERSION}"
 FL_CACHE="${FENCEDLEASE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fencedlease}"
 FL_CLUSTER_DIR="${FENCEDLEASE_CLUSTER_DIR:-/tmp/fencedlease-cluster}"
 FL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -50,6 +50,24 @@
 # tests/node.rs uses to freeze a pod), and the pause image ($PAUSE_IMAGE below) doubles as a
 # do-nothing app container in test pods.
 #
+# Versions: the node runs Kubernetes v1.20.2 only (FL_K8S_VERSION=1.20.2 for cluster.sh and
+# this script; `up` refuses other versions). For a current kubelet (issue 16), what is known,
+# read from v1.37.2's source and this machine, not yet run here:
+#   * This machine has cgroup v1 (/sys/fs/cgroup is a tmpfs). kubelet 1.35+ defaults
+#     failCgroupV1 to true (pkg/kubelet/apis/config/v1beta1/defaults.go) and refuses to start:
+#     its KubeletConfiguration needs `failCgroupV1: false`.
+#   * Flags gone since 1.20: --container-runtime (1.27; remote is the only runtime) and
+#     --pod-infra-container-image (the sandbox image comes from containerd's sandbox_image,
+#     which containerd_config sets already); kube-scheduler's --port (1.24+).
+#   * Runtime: Debian 12's containerd is 1.6.20 (CRI v1, which kubelet 1.26+ requires). It lacks
+#     the RuntimeConfig RPC; kubelet 1.37 then falls back to cgroupDriver from its own config
+#     (logging "CRI implementation should be updated to support RuntimeConfig") and counts it in
+#     a metric announcing the fallback's end in 1.38.0. So containerd 1.6 should do for 1.37; for
+#     1.38+ a newer containerd is needed: github.com/containerd/containerd/v2 (v2.2.9-v2.4.2 are
+#     served by the Go module proxy; untried, and whether it still runs on cgroup v1 is unchecked).
+#   * Skew: a kubelet may be up to three minors older than the API server, never newer; a
+#     v1.20.2 kubelet against a v1.37 API server is far outside that and unsupported.
+#
 # Variables: FENCEDLEASE_CLUSTER_DIR, FL_APISERVER_PORT (as for cluster.sh); FL_NODE_NAME (default:
 # the host name), FL_NODE_BRIDGE (flnode0), FL_NODE_SUBNET (10.213.0, a /24), FL_KUBELET_PORT
 # (10250), FL_KUBELET_HEALTHZ_PORT (10248), FL_SCHEDULER_PORT (10259). One node per machine.
@@ -449,6 +467,10 @@ YAML
 }
 
 up() {
+  # Only the v1.20.2 node has been verified (kubelet, containerd 1.6, the pause image from that
+  # tree). See the notes on newer kubelets at the top of this file.
+  [ "$FL_K8S_VERSION" = "$FL_K8S_LEGACY_VERSION" ] ||
+    die "hack/node.sh runs only Kubernetes v$FL_K8S_LEGACY_VERSION so far, not v$FL_K8S_VERSION (issue 16): start the control plane and the node with FL_K8S_VERSION=$FL_K8S_LEGACY_VERSION (hack/cluster.sh down first if another version runs)"
   control_plane_up ||
     die "no control plane answers on 127.0.0.1:$API_PORT with $ADMIN_KUBECONFIG: start it first with hack/cluster.sh up (same FENCEDLEASE_CLUSTER_DIR and FL_* ports)"
   if healthy; then
