@@ -179,9 +179,18 @@ struct MetaIn {
 
 /// The `fencedlease.io/` entries of a label or annotation map, and nothing else: the others
 /// are skipped as they are read, so a body of millions of tiny labels costs no more memory
-/// than its bytes (it would cost some 12 times that as a map of Strings).
-#[derive(Default)]
-struct OurKeys(BTreeMap<String, String>);
+/// than its bytes (it would cost some 12 times that as a map of Strings). Injection reads
+/// pods' labels and annotations through it too.
+#[derive(Debug, Default)]
+pub(crate) struct OurKeys(BTreeMap<String, String>);
+
+impl OurKeys {
+    /// The value of `key`, one of ours (`fencedlease.io/...`: no other key is kept).
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
+        debug_assert!(key.starts_with(OUR_PREFIX), "{key} is not kept");
+        self.0.get(key).map(String::as_str)
+    }
+}
 
 impl<'de> Deserialize<'de> for OurKeys {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -210,28 +219,23 @@ impl<'de> Deserialize<'de> for OurKeys {
     }
 }
 
-/// The prefix of every label and annotation the decision reads.
-const OUR_PREFIX: &str = "fencedlease.io/";
+/// The prefix of every label and annotation the decisions (fencing and injection) read.
+pub(crate) const OUR_PREFIX: &str = "fencedlease.io/";
 
 fn annotation<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
-    o.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.0.get(key))
-        .map(String::as_str)
+    o.metadata.annotations.as_ref().and_then(|a| a.get(key))
 }
 
 fn label<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
     o.metadata
         .labels
         .as_ref()
-        .and_then(|l| l.0.get(key))
-        .map(String::as_str)
+        .and_then(|l| l.get(key))
         .filter(|v| !v.is_empty())
 }
 
 /// An allowing answer to the request `uid`, in the review version the API server sent.
-fn allowing(api_version: &str, uid: &str) -> AdmissionResponse {
+pub(crate) fn allowing(api_version: &str, uid: &str) -> AdmissionResponse {
     let mut r = AdmissionResponse::invalid("");
     r.types = TypeMeta {
         api_version: api_version.to_string(),

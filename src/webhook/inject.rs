@@ -4,8 +4,12 @@
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
-use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use serde::de::{IgnoredAny, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
+
+use super::admission::OurKeys;
 
 /// Pod annotation naming the FencedLease (in the pod's namespace) to campaign for.
 pub const LEASE_ANNOTATION: &str = "fencedlease.io/lease";
@@ -58,30 +62,177 @@ pub struct Additions {
     pub volume: Value,
 }
 
-fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
-    pod.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(key))
-        .map(String::as_str)
+/// The most app containers a pod may have for the sidecar to be injected. The patch adds the
+/// token's environment and volume to each: ~400 bytes of patch a container, ~1.4 KB of answer
+/// (kube writes the patch as a JSON array of numbers). At this many the answer is ~350 KB
+/// (measured, with the proxy); without a bound, a 0.5 MiB pod of 175,000 empty containers
+/// made a 203 MB answer, and Kubernetes calls mutating webhooks before it validates a pod.
+pub const MAX_APP_CONTAINERS: usize = 256;
+
+/// What injection reads of a pod, and nothing more: its `fencedlease.io/` labels and
+/// annotations, and the shape of its spec. Everything else is skipped as the pod is read, so
+/// a pod costs less memory than its JSON whatever it holds (a typed `Pod` costs ~2 KiB per
+/// empty container, a `serde_json::Value` some 20 times the bytes of empty arrays). The patch
+/// is made against the pod as sent, so fields this build does not know are kept all the same.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodIn {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    metadata: MetaIn,
+    #[serde(default)]
+    spec: Option<SpecIn>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct MetaIn {
+    #[serde(default)]
+    labels: Option<OurKeys>,
+    #[serde(default)]
+    annotations: Option<OurKeys>,
+}
+
+/// The pod's spec as injection and [`patch`] read it. An array member absent or `null` is
+/// `None` (Kubernetes reads null as absent).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecIn {
+    #[serde(default)]
+    host_network: Option<bool>,
+    #[serde(default)]
+    containers: Option<Vec<ContainerIn>>,
+    #[serde(default)]
+    init_containers: Option<Vec<ContainerIn>>,
+    #[serde(default)]
+    volumes: Option<Listed>,
+}
+
+/// A container as injection reads it, in one byte (an empty container is three bytes of
+/// JSON): is it the sidecar, and are its `env` and `volumeMounts` arrays?
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(from = "ContainerFields")]
+struct ContainerIn(u8);
+
+impl ContainerIn {
+    const SIDECAR: u8 = 1;
+    const ENV: u8 = 2;
+    const MOUNTS: u8 = 4;
+
+    fn is_sidecar(self) -> bool {
+        self.0 & Self::SIDECAR != 0
+    }
+    fn has_env(self) -> bool {
+        self.0 & Self::ENV != 0
+    }
+    fn has_mounts(self) -> bool {
+        self.0 & Self::MOUNTS != 0
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ContainerFields {
+    #[serde(default)]
+    name: Option<SidecarName>,
+    #[serde(default)]
+    env: Option<Listed>,
+    #[serde(default)]
+    volume_mounts: Option<Listed>,
+}
+
+impl From<ContainerFields> for ContainerIn {
+    fn from(c: ContainerFields) -> ContainerIn {
+        let bit = |on: bool, b: u8| if on { b } else { 0 };
+        ContainerIn(
+            bit(c.name.is_some_and(|n| n.0), ContainerIn::SIDECAR)
+                | bit(c.env.is_some(), ContainerIn::ENV)
+                | bit(c.volume_mounts.is_some(), ContainerIn::MOUNTS),
+        )
+    }
+}
+
+/// A container's name, read without keeping it: is it [`CONTAINER`]?
+struct SidecarName(bool);
+
+impl<'de> Deserialize<'de> for SidecarName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl Visitor<'_> for Visit {
+            type Value = SidecarName;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a container name")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SidecarName, E> {
+                Ok(SidecarName(v == CONTAINER))
+            }
+        }
+        d.deserialize_str(Visit)
+    }
+}
+
+/// An array whose elements are skipped as they are read: only that it is one matters.
+#[derive(Debug)]
+struct Listed;
+
+impl<'de> Deserialize<'de> for Listed {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> Visitor<'de> for Visit {
+            type Value = Listed;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Listed, A::Error> {
+                while s.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Listed)
+            }
+        }
+        d.deserialize_seq(Visit)
+    }
+}
+
+impl PodIn {
+    /// Reads a pod from its JSON: an object, whose `apiVersion` and `kind`, when given, are a
+    /// Pod's.
+    pub fn from_json(json: &str) -> Result<PodIn, String> {
+        if !json.trim_start().starts_with('{') {
+            return Err("it is not a JSON object".into());
+        }
+        let pod: PodIn = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        for (field, got, want) in [
+            ("apiVersion", &pod.api_version, "v1"),
+            ("kind", &pod.kind, "Pod"),
+        ] {
+            if let Some(got) = got.as_deref().filter(|g| *g != want) {
+                return Err(format!("{field} is {got:?}, not {want:?}"));
+            }
+        }
+        Ok(pod)
+    }
+}
+
+fn annotation<'a>(pod: &'a PodIn, key: &str) -> Option<&'a str> {
+    pod.metadata.annotations.as_ref().and_then(|a| a.get(key))
 }
 
 /// Has the pod opted out, with the label (as the chart's registration expects) or the annotation?
-fn opted_out(pod: &Pod) -> bool {
+fn opted_out(pod: &PodIn) -> bool {
     let label = pod
         .metadata
         .labels
         .as_ref()
         .and_then(|l| l.get(INJECT_ANNOTATION));
-    label.map(String::as_str) == Some("false")
-        || annotation(pod, INJECT_ANNOTATION) == Some("false")
+    label == Some("false") || annotation(pod, INJECT_ANNOTATION) == Some("false")
 }
 
 /// Refuses a pod on the node's network (`hostNetwork: true`). Its loopback is the node's: every
 /// process on the node could read the token from the sidecar's API on 127.0.0.1 and write with
 /// the pod's token through the sidecar's API proxy.
-pub fn refuse_host_network(spec: &PodSpec) -> Result<(), String> {
-    if spec.host_network != Some(true) {
+pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), String> {
+    if host_network != Some(true) {
         return Ok(());
     }
     Err(format!(
@@ -116,7 +267,7 @@ struct Options<'a> {
 }
 
 /// A `"true"`/`"false"` annotation, false when absent.
-fn flag(pod: &Pod, key: &str) -> Result<bool, String> {
+fn flag(pod: &PodIn, key: &str) -> Result<bool, String> {
     match annotation(pod, key) {
         None | Some("false") => Ok(false),
         Some("true") => Ok(true),
@@ -127,7 +278,7 @@ fn flag(pod: &Pod, key: &str) -> Result<bool, String> {
 }
 
 /// Reads and checks the annotations; errors are messages for the pod's author.
-fn options<'a>(pod: &'a Pod, lease: &'a str) -> Result<Options<'a>, String> {
+fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, String> {
     if !valid_name(lease) {
         return Err(format!(
             "fencedlease: annotation {LEASE_ANNOTATION}={lease:?} is not a valid FencedLease name (lowercase letters, digits, '-' and '.')"
@@ -180,7 +331,7 @@ fn options<'a>(pod: &'a Pod, lease: &'a str) -> Result<Options<'a>, String> {
 }
 
 /// Decides the injection. Errors are messages for the pod's author.
-pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
+pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
     let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
         return Ok(Injection::Skip("no lease annotation"));
     };
@@ -188,14 +339,22 @@ pub fn inject(pod: &Pod, cfg: &InjectConfig) -> Result<Injection, String> {
         return Ok(Injection::Skip("opted out"));
     }
     let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
-    refuse_host_network(spec)?;
-    let already = spec.containers.iter().any(|c| c.name == CONTAINER)
+    refuse_host_network(spec.host_network)?;
+    let containers = spec.containers.as_deref().unwrap_or_default();
+    let already = containers.iter().any(|c| c.is_sidecar())
         || spec
             .init_containers
             .as_ref()
-            .is_some_and(|ic| ic.iter().any(|c| c.name == CONTAINER));
+            .is_some_and(|ic| ic.iter().any(|c| c.is_sidecar()));
     if already {
         return Ok(Injection::Skip("already injected"));
+    }
+    if containers.len() > MAX_APP_CONTAINERS {
+        return Err(format!(
+            "fencedlease: the pod has {} containers; the sidecar is injected into pods of at \
+             most {MAX_APP_CONTAINERS} (each container gets the token's environment and volume)",
+            containers.len()
+        ));
     }
     let o = options(pod, lease)?;
     let url = format!("http://127.0.0.1:{}", o.port);
@@ -295,11 +454,11 @@ fn add(path: PointerBuf, value: Value) -> PatchOperation {
     PatchOperation::Add(AddOperation { path, value })
 }
 
-/// Adds `items` at the end of the array at `path`, whose value in the pod is `now`: one `add` at
-/// `path/-` per item when the array is there, else one `add` creating it (the member is absent,
-/// or null, which Kubernetes reads as absent).
-fn append(ops: &mut Vec<PatchOperation>, path: PointerBuf, now: Option<&Value>, items: &[Value]) {
-    if let Some(Value::Array(_)) = now {
+/// Adds `items` at the end of the array at `path`: one `add` at `path/-` per item when the pod
+/// has the array (`listed`), else one `add` creating it (the member is absent, or null, which
+/// Kubernetes reads as absent).
+fn append(ops: &mut Vec<PatchOperation>, path: PointerBuf, listed: bool, items: &[Value]) {
+    if listed {
         for item in items {
             let mut end = path.clone();
             end.push_back("-");
@@ -315,43 +474,35 @@ fn append(ops: &mut Vec<PatchOperation>, path: PointerBuf, now: Option<&Value>, 
 /// operations: each appends to an array (`/-`), puts the native sidecar first among the init
 /// containers (`/spec/initContainers/0`, an insertion), or creates a member the pod lacks.
 /// Nothing the pod's author wrote is replaced, reordered or dropped.
-pub fn patch(pod: &Value, additions: &Additions) -> Patch {
+pub fn patch(pod: &PodIn, additions: &Additions) -> Patch {
     use std::slice::from_ref;
-    let field = |name: &str| pod.get("spec").and_then(|s| s.get(name));
+    let spec = pod.spec.as_ref();
+    let containers = spec.and_then(|s| s.containers.as_deref());
     let mut ops = Vec::new();
-    let containers = field("containers").and_then(Value::as_array);
     for (i, c) in containers.into_iter().flatten().enumerate() {
         let member = |name: &str| pointer(&["spec", "containers", &i.to_string(), name]);
-        append(&mut ops, member("env"), c.get("env"), &additions.env);
+        append(&mut ops, member("env"), c.has_env(), &additions.env);
         let mount = from_ref(&additions.mount);
-        append(
-            &mut ops,
-            member("volumeMounts"),
-            c.get("volumeMounts"),
-            mount,
-        );
+        append(&mut ops, member("volumeMounts"), c.has_mounts(), mount);
     }
-    let volumes = pointer(&["spec", "volumes"]);
-    append(
-        &mut ops,
-        volumes,
-        field("volumes"),
-        from_ref(&additions.volume),
-    );
+    let volumes = spec.is_some_and(|s| s.volumes.is_some());
+    let volume = from_ref(&additions.volume);
+    append(&mut ops, pointer(&["spec", "volumes"]), volumes, volume);
     let sidecar = from_ref(&additions.sidecar);
-    match (additions.native, field("initContainers")) {
+    let inits = spec.is_some_and(|s| s.init_containers.is_some());
+    match (additions.native, inits) {
         (false, _) => {
-            let containers = pointer(&["spec", "containers"]);
-            append(&mut ops, containers, field("containers"), sidecar);
+            let at = pointer(&["spec", "containers"]);
+            append(&mut ops, at, containers.is_some(), sidecar);
         }
-        (true, Some(Value::Array(_))) => {
+        (true, true) => {
             let first = pointer(&["spec", "initContainers", "0"]);
             ops.push(add(first, additions.sidecar.clone()));
         }
-        (true, _) => append(
+        (true, false) => append(
             &mut ops,
             pointer(&["spec", "initContainers"]),
-            None,
+            false,
             sidecar,
         ),
     }
@@ -369,6 +520,35 @@ pub fn supports_native_sidecars(major: &str, minor: &str) -> bool {
     }
 }
 
+/// The parts of a mutating AdmissionReview that injection reads: the fields every review has
+/// (required, as in kube's types, but skipped unread), the request's uid, and its object
+/// borrowed as raw JSON, to be read as a [`PodIn`]. Nothing of the rest is built.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReviewIn<'a> {
+    api_version: String,
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    #[serde(borrow, default)]
+    request: Option<RequestIn<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RequestIn<'a> {
+    uid: String,
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    #[serde(rename = "resource")]
+    _resource: IgnoredAny,
+    #[serde(rename = "operation")]
+    _operation: IgnoredAny,
+    #[serde(rename = "userInfo")]
+    _user_info: IgnoredAny,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+}
+
 /// Answers one mutating AdmissionReview for a pod. Always returns a review.
 pub fn review(
     body: &[u8],
@@ -377,38 +557,30 @@ pub fn review(
     kube::core::admission::AdmissionReview<kube::core::DynamicObject>,
     &'static str,
 ) {
-    use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
-    let review: AdmissionReview<kube::core::DynamicObject> = match serde_json::from_slice(body) {
+    let review: ReviewIn = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return (super::admission::unreadable(&e.to_string()), "invalid"),
     };
-    let req: AdmissionRequest<kube::core::DynamicObject> = match review.try_into() {
-        Ok(r) => r,
-        Err(_) => return (super::admission::unreadable("it has no request"), "invalid"),
+    let Some(req) = review.request else {
+        return (super::admission::unreadable("it has no request"), "invalid");
     };
-    let resp = AdmissionResponse::from(&req);
-    let Some(obj) = req.object.as_ref() else {
+    let resp = super::admission::allowing(&review.api_version, &req.uid);
+    let Some(object) = req.object else {
         return (resp.into_review(), "skipped");
     };
-    // The pod as sent (its spec untyped, so with every field this build does not know) places
-    // the patch; the typed pod decides.
-    let unreadable = |e: serde_json::Error| {
-        let msg = format!("fencedlease: cannot read the pod: {e}");
-        (resp.clone().deny(msg).into_review(), "invalid")
-    };
-    let original = match serde_json::to_value(obj) {
-        Ok(v) => v,
-        Err(e) => return unreadable(e),
-    };
-    let pod: Pod = match serde_json::from_value(original.clone()) {
+    // The pod's shape, read from the pod as sent, places the patch; its annotations decide.
+    let pod = match PodIn::from_json(object.get()) {
         Ok(p) => p,
-        Err(e) => return unreadable(e),
+        Err(e) => {
+            let msg = format!("fencedlease: cannot read the pod: {e}");
+            return (resp.deny(msg).into_review(), "invalid");
+        }
     };
     match inject(&pod, cfg) {
         Ok(Injection::Skip(_)) => (resp.into_review(), "skipped"),
         Err(msg) => (resp.deny(msg).into_review(), "refused"),
         Ok(Injection::Inject(additions)) => {
-            match resp.clone().with_patch(patch(&original, &additions)) {
+            match resp.clone().with_patch(patch(&pod, &additions)) {
                 Ok(r) => (r.into_review(), "injected"),
                 Err(e) => (
                     resp.deny(format!("fencedlease: cannot encode the patch: {e}"))
@@ -423,14 +595,21 @@ pub fn review(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Pod;
     use proptest::prelude::*;
 
-    fn pod(annotations: Value) -> Pod {
-        serde_json::from_value(json!({
+    /// What injection reads of `raw`, a pod as the API server sends it.
+    fn read(raw: &Value) -> PodIn {
+        PodIn::from_json(&raw.to_string()).expect("a pod")
+    }
+    fn pod_json(annotations: Value) -> Value {
+        json!({
             "metadata": {"name": "web-1", "annotations": annotations},
             "spec": {"containers": [{"name": "app", "image": "app:1"}]}
-        }))
-        .expect("pod")
+        })
+    }
+    fn pod(annotations: Value) -> PodIn {
+        read(&pod_json(annotations))
     }
     fn cfg(native: bool) -> InjectConfig {
         InjectConfig {
@@ -442,23 +621,23 @@ mod tests {
     /// What `inject` decides for `raw`, the pod as the API server sends it; its patch; and the
     /// pod with the patch applied.
     fn apply(raw: &Value, native: bool) -> (Additions, Patch, Value) {
-        let typed: Pod = serde_json::from_value(raw.clone()).expect("a pod");
-        let additions = match inject(&typed, &cfg(native)) {
+        let read = read(raw);
+        let additions = match inject(&read, &cfg(native)) {
             Ok(Injection::Inject(a)) => *a,
             other => panic!("expected an injection, got {other:?}"),
         };
-        let ops = patch(raw, &additions);
+        let ops = patch(&read, &additions);
         let mut out = raw.clone();
         json_patch::patch(&mut out, &ops).expect("the patch applies to the pod");
         (additions, ops, out)
     }
-    fn injected(p: &Pod, native: bool) -> Value {
-        apply(&serde_json::to_value(p).expect("encode"), native).2
+    fn injected(raw: &Value, native: bool) -> Value {
+        apply(raw, native).2
     }
 
     #[test]
     fn ordinary_container_on_old_servers() {
-        let v = injected(&pod(json!({LEASE_ANNOTATION: "db"})), false);
+        let v = injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), false);
         let cs = v["spec"]["containers"].as_array().expect("containers");
         assert_eq!(cs.len(), 2);
         assert_eq!(cs[1]["name"], CONTAINER);
@@ -503,7 +682,7 @@ mod tests {
 
     #[test]
     fn native_sidecar_on_new_servers() {
-        let v = injected(&pod(json!({LEASE_ANNOTATION: "db"})), true);
+        let v = injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), true);
         assert_eq!(v["spec"]["containers"].as_array().map(Vec::len), Some(1));
         let ic = &v["spec"]["initContainers"][0];
         assert_eq!(ic["name"], CONTAINER);
@@ -512,16 +691,12 @@ mod tests {
 
     #[test]
     fn idempotent_opt_out_and_untouched_without_annotation() {
-        let once: Pod =
-            serde_json::from_value(injected(&pod(json!({LEASE_ANNOTATION: "db"})), false))
-                .expect("pod");
+        let once = read(&injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), false));
         assert_eq!(
             inject(&once, &cfg(false)),
             Ok(Injection::Skip("already injected"))
         );
-        let native: Pod =
-            serde_json::from_value(injected(&pod(json!({LEASE_ANNOTATION: "db"})), true))
-                .expect("pod");
+        let native = read(&injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), true));
         assert_eq!(
             inject(&native, &cfg(true)),
             Ok(Injection::Skip("already injected"))
@@ -542,11 +717,7 @@ mod tests {
     #[test]
     fn host_network_pods_are_refused() {
         for (host_network, refused) in [(None, false), (Some(false), false), (Some(true), true)] {
-            let spec = PodSpec {
-                host_network,
-                ..PodSpec::default()
-            };
-            let got = refuse_host_network(&spec);
+            let got = refuse_host_network(host_network);
             assert_eq!(
                 got.is_err(),
                 refused,
@@ -569,12 +740,11 @@ mod tests {
 
     #[test]
     fn host_network_pods_asking_for_the_sidecar_are_refused_unless_opted_out() {
-        let host = |labels: Value, annotations: Value| -> Pod {
-            serde_json::from_value(json!({
+        let host = |labels: Value, annotations: Value| -> PodIn {
+            read(&json!({
                 "metadata": {"name": "web-1", "labels": labels, "annotations": annotations},
                 "spec": {"hostNetwork": true, "containers": [{"name": "app", "image": "app:1"}]}
             }))
-            .expect("pod")
         };
         let lease = json!({LEASE_ANNOTATION: "db"});
         for (labels, annotations, want) in [
@@ -613,7 +783,7 @@ mod tests {
     #[test]
     fn options_and_bad_options() {
         let v = injected(
-            &pod(
+            &pod_json(
                 json!({LEASE_ANNOTATION: "db", DURATION_ANNOTATION: "5", PORT_ANNOTATION: "9000",
                 READY_ANNOTATION: "true", HEALTH_ANNOTATION: "http://127.0.0.1:8080/healthz"}),
             ),
@@ -649,6 +819,165 @@ mod tests {
             a.insert(k.into(), json!(v));
             let err = inject(&pod(Value::Object(a)), &cfg(false)).expect_err("must refuse");
             assert!(err.contains(k), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_pod_is_read_for_what_injection_needs_and_the_rest_skipped() {
+        let mut annotations = serde_json::Map::new();
+        for i in 0..500 {
+            annotations.insert(format!("a{i}"), json!({"any": [i]}));
+        }
+        annotations.insert(LEASE_ANNOTATION.into(), json!("db"));
+        let raw = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-1", "annotations": annotations, "labels": {"app": [1]}},
+            "spec": {"future": [[], {}, [[]]], "containers": [
+                {"name": "app", "env": [{}, 1, "x"], "volumeMounts": null, "future": {}},
+                {"name": CONTAINER},
+                {"image": "x", "volumeMounts": []},
+            ], "volumes": [], "hostNetwork": false},
+        });
+        let p = read(&raw);
+        assert_eq!(
+            p.metadata
+                .annotations
+                .as_ref()
+                .map(|a| a.get(LEASE_ANNOTATION)),
+            Some(Some("db"))
+        );
+        let cs = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.as_deref())
+            .expect("containers");
+        let shape: Vec<(bool, bool, bool)> = cs
+            .iter()
+            .map(|c| (c.is_sidecar(), c.has_env(), c.has_mounts()))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (false, true, false),
+                (true, false, false),
+                (false, false, true)
+            ]
+        );
+        // Every key injection reads is one of those kept.
+        for key in [
+            LEASE_ANNOTATION,
+            INJECT_ANNOTATION,
+            DURATION_ANNOTATION,
+            PORT_ANNOTATION,
+            READY_ANNOTATION,
+            HEALTH_ANNOTATION,
+            PROXY_ANNOTATION,
+        ] {
+            assert!(
+                key.starts_with(super::super::admission::OUR_PREFIX),
+                "{key}"
+            );
+        }
+        // What it reads must have the type Kubernetes gives it; the pod must be a Pod.
+        for (bad, want) in [
+            (json!({"apiVersion": "v2"}), "apiVersion"),
+            (json!({"kind": "Secret"}), "kind"),
+            (json!({"spec": {"containers": [{"env": {}}]}}), "an array"),
+            (
+                json!({"spec": {"containers": [{"name": 7}]}}),
+                "a container name",
+            ),
+            (json!({"spec": {"containers": {}}}), "sequence"),
+            (json!({"spec": {"hostNetwork": "yes"}}), "boolean"),
+            (
+                json!({"metadata": {"annotations": {LEASE_ANNOTATION: 1}}}),
+                "string",
+            ),
+            (json!([]), "object"),
+            (json!(null), "object"),
+        ] {
+            let err = PodIn::from_json(&bad.to_string()).expect_err("must not read");
+            assert!(err.contains(want), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn pods_with_more_containers_than_the_patch_may_cover_are_refused() {
+        let with = |n: usize| {
+            let cs: Vec<Value> = (0..n).map(|i| json!({"name": format!("c{i}")})).collect();
+            let mut raw = pod_json(json!({LEASE_ANNOTATION: "db"}));
+            raw["spec"]["containers"] = Value::from(cs);
+            read(&raw)
+        };
+        let at_most = inject(&with(MAX_APP_CONTAINERS), &cfg(false));
+        assert!(matches!(at_most, Ok(Injection::Inject(_))), "{at_most:?}");
+        let err = inject(&with(MAX_APP_CONTAINERS + 1), &cfg(true)).expect_err("too many");
+        assert!(
+            err.contains(&format!("{} containers", MAX_APP_CONTAINERS + 1)),
+            "{err}"
+        );
+        // Pods that ask for nothing are not judged by it.
+        let mut skipped = with(MAX_APP_CONTAINERS + 1);
+        skipped.metadata.annotations = None;
+        assert_eq!(
+            inject(&skipped, &cfg(false)),
+            Ok(Injection::Skip("no lease annotation"))
+        );
+    }
+
+    /// An AdmissionReview creating `object`.
+    fn review_of(object: Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "namespace": "shop", "operation": "CREATE", "userInfo": {"username": "x"},
+                "object": object, "oldObject": null, "dryRun": false,
+            }
+        }))
+        .expect("encode")
+    }
+
+    #[test]
+    fn every_body_gets_a_review_that_says_what_happened() {
+        let answer = |body: &[u8]| {
+            let (r, label) = review(body, &cfg(false));
+            (serde_json::to_value(&r).expect("encode"), label)
+        };
+        let (r, label) = answer(&review_of(pod_json(json!({LEASE_ANNOTATION: "db"}))));
+        assert_eq!(label, "injected");
+        assert_eq!(r["response"]["uid"], "u-1");
+        assert_eq!(r["response"]["patchType"], "JSONPatch");
+        assert_eq!(r["apiVersion"], "admission.k8s.io/v1");
+        let (r, label) = answer(&review_of(pod_json(json!({}))));
+        assert_eq!(
+            (label, &r["response"]["allowed"]),
+            ("skipped", &json!(true))
+        );
+        assert!(r["response"].get("patch").is_none());
+        let (_, label) = answer(&review_of(Value::Null));
+        assert_eq!(label, "skipped");
+        let (r, label) = answer(&review_of(json!({"kind": "Secret"})));
+        assert_eq!((label, &r["response"]["uid"]), ("invalid", &json!("u-1")));
+        let msg = r["response"]["status"]["message"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(msg.contains("cannot read the pod"), "{msg}");
+        let mut no_user = serde_json::from_slice::<Value>(&review_of(json!({}))).expect("json");
+        no_user["request"]
+            .as_object_mut()
+            .map(|r| r.remove("userInfo"));
+        let no_user = serde_json::to_vec(&no_user).expect("encode");
+        let no_request = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#;
+        for body in [&b"{"[..], b"[]", b"null", &no_request[..], &no_user] {
+            let (r, label) = answer(body);
+            assert_eq!(label, "invalid", "{}", String::from_utf8_lossy(body));
+            assert_eq!(r["response"]["allowed"], false);
+            let msg = r["response"]["status"]["message"]
+                .as_str()
+                .unwrap_or_default();
+            assert!(msg.contains("cannot read the AdmissionReview"), "{msg}");
         }
     }
 
