@@ -142,7 +142,9 @@ impl TestNamespace {
             .await
             .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
         // The ServiceAccount admission plugin refuses pods until the controller-manager has
-        // made the namespace's default ServiceAccount (and its token): wait for both.
+        // made the namespace's default ServiceAccount (and, before 1.24, its token Secret):
+        // wait for both.
+        let token_secrets = server_minor(client).await < 24;
         let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
             Api::namespaced(client.clone(), &name);
         eventually(
@@ -150,15 +152,25 @@ impl TestNamespace {
             "the namespace's default ServiceAccount",
             || async {
                 let sa = sas.get_opt("default").await.ok().flatten()?;
-                sa.secrets
-                    .as_ref()
-                    .is_some_and(|s| !s.is_empty())
-                    .then_some(())
+                let has_secret = sa.secrets.as_ref().is_some_and(|s| !s.is_empty());
+                (has_secret || !token_secrets).then_some(())
             },
         )
         .await;
         TestNamespace { name }
     }
+}
+
+/// The API server's minor version (20 for v1.20.2, 37 for v1.37.2).
+pub async fn server_minor(client: &Client) -> u32 {
+    let v = client
+        .apiserver_version()
+        .await
+        .unwrap_or_else(|e| panic!("asking the API server for its version: {e}"));
+    v.minor
+        .trim_end_matches('+')
+        .parse()
+        .unwrap_or_else(|e| panic!("API server minor version {:?}: {e}", v.minor))
 }
 
 impl Drop for TestNamespace {
