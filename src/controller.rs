@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, instrument, warn};
 
 use crate::api::{Condition, FencedLease};
-use crate::holder::{holder_death, Death, HolderPod};
+use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, Mono, Observation,
@@ -153,6 +153,8 @@ struct Seen {
     revoked_generation: Option<i64>,
     /// Why it revoked.
     revoked_for: Cause,
+    /// The holder this controller last revoked for a death, and when.
+    dead_revoked: Option<(String, Mono)>,
     /// The leader label could not be moved the last time.
     label_failing: bool,
 }
@@ -356,6 +358,7 @@ struct Observed {
     /// The generation this controller's revocation produced, if it revoked this lease.
     revoked_generation: Option<i64>,
     revoked_for: Cause,
+    dead_revoked: Option<(String, Mono)>,
     /// The leader label could not be moved at the previous look.
     label_failing: bool,
 }
@@ -374,6 +377,7 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
     });
     let revoked_generation = prev.as_ref().and_then(|p| p.revoked_generation);
     let revoked_for = prev.as_ref().map_or(Cause::Expired, |p| p.revoked_for);
+    let dead_revoked = prev.as_ref().and_then(|p| p.dead_revoked.clone());
     let label_failing = prev.as_ref().is_some_and(|p| p.label_failing);
     seen.insert(
         key.to_string(),
@@ -383,6 +387,7 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
             preferred,
             revoked_generation,
             revoked_for,
+            dead_revoked: dead_revoked.clone(),
             label_failing,
         },
     );
@@ -391,6 +396,7 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
         previous: prev.map(|p| (p.holder, p.preferred)),
         revoked_generation,
         revoked_for,
+        dead_revoked,
         label_failing,
     }
 }
@@ -470,9 +476,13 @@ impl<'a> LeaseReconcile<'a> {
             ),
         };
         info!(%note, "revoked a lease");
+        let mono = self.mono;
         self.update_seen(|s| {
             s.revoked_generation = revoked.metadata.generation;
             s.revoked_for = cause;
+            if let (Cause::HolderDead(_), Some(h)) = (cause, old.clone()) {
+                s.dead_revoked = Some((h, mono));
+            }
         });
         let status = write_status(&self.api, &revoked, Some(cause)).await;
         publish(
@@ -492,10 +502,18 @@ impl<'a> LeaseReconcile<'a> {
     /// watch's rights already allow). A pod of that name that exists now (a new incarnation)
     /// or that the index saw late in a new life is not revoked; a lease that changed since it
     /// was read is refused by the revocation's precondition.
-    async fn known_death(&self) -> Result<Option<Death>, Error> {
+    async fn known_death(&self, lease_duration: Duration) -> Result<Option<Death>, Error> {
         let Some(holder) = self.lease.holder() else {
             return Ok(None);
         };
+        let last = self
+            .seen
+            .dead_revoked
+            .as_ref()
+            .map(|(h, at)| (h.as_str(), *at));
+        if !may_revoke_again(last, holder, self.mono, lease_duration) {
+            return Ok(None);
+        }
         let lease_name = self.lease.name_any();
         let known = {
             let index = self.ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
@@ -537,7 +555,7 @@ impl Steps for LeaseReconcile<'_> {
         match controller_decision(&self.seen.obs, wait, self.mono) {
             ControllerAction::Revoke => self.revoke(Cause::Expired, wait).await,
             ControllerAction::HeldUntil(at) => {
-                if let Some(death) = self.known_death().await? {
+                if let Some(death) = self.known_death(wait).await? {
                     return self.revoke(Cause::HolderDead(death), wait).await;
                 }
                 write_status(&self.api, lease, None).await?;

@@ -14,9 +14,12 @@
 //!
 //! Pure (no I/O, no clock): the controller feeds it what the pod index and the lease say.
 
+use std::time::Duration;
+
 use jiff::{SignedDuration, Timestamp};
 
 use crate::api::FencedLease;
+use crate::lease::rules::Mono;
 
 /// What the index keeps of the container that campaigns (the injected sidecar, or the
 /// container that `fencedlease.io/campaign-container` names).
@@ -181,6 +184,24 @@ pub fn death(opted_in: bool, acquired: Option<Timestamp>, pod: HolderPod) -> Opt
             Some(Death::ContainerRestarted)
         }
         _ => None,
+    }
+}
+
+/// Whether a death verdict may revoke `holder` at `now`, when this controller last revoked
+/// `last` = (identity, when) of this lease for a death: once per lease duration per identity. A
+/// process still running under a dead pod's name (a zombie that can reach the API server, or
+/// another process given that identity) acquires again after the revocation; revoking it again
+/// at once would trade writes with it as fast as both can go. After one early revocation it is
+/// waited out like any holder.
+pub fn may_revoke_again(
+    last: Option<(&str, Mono)>,
+    holder: &str,
+    now: Mono,
+    lease_duration: Duration,
+) -> bool {
+    match last {
+        Some((h, at)) if h == holder => now >= at + lease_duration,
+        _ => true,
     }
 }
 
@@ -363,6 +384,27 @@ mod tests {
             assert!(d.note("pod-a").contains("pod-a"));
         }
         assert_eq!(Death::from_reason("Revoked"), None);
+    }
+
+    #[test]
+    fn a_dead_identity_is_revoked_early_at_most_once_per_lease_duration() {
+        let s = Duration::from_secs;
+        let lease = s(15);
+        // (last death revocation, holder, now) -> may revoke early
+        let table = [
+            (None, "a", s(100), true),
+            (Some(("a", s(100))), "a", s(101), false),
+            (Some(("a", s(100))), "a", s(114), false),
+            (Some(("a", s(100))), "a", s(115), true),
+            (Some(("a", s(100))), "b", s(101), true),
+        ];
+        for (last, holder, now, want) in table {
+            assert_eq!(
+                may_revoke_again(last, holder, now, lease),
+                want,
+                "{last:?} {holder} {now:?}"
+            );
+        }
     }
 
     proptest! {

@@ -408,3 +408,43 @@ async fn an_opted_out_lease_waits_out_a_dead_holder() {
         .expect("force-delete the holder's pod");
     w.assert_not_revoked("a lease that opted out").await;
 }
+
+#[tokio::test]
+async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
+    let w = World::new("death-zombie", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    // The pod is force-deleted, but its process still reaches the API server and campaigns.
+    let deleted_ns = now_ns();
+    w.pods
+        .delete("pod-a", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force-delete the holder's pod");
+    w.revoked_within(deleted_ns, Duration::from_secs(1)).await;
+    w.event("HolderPodGone").await;
+    // It acquires again; from then on it is waited out like any holder, not revoked again at
+    // once (which would trade writes with it as fast as both can go).
+    let again = eventually(Duration::from_secs(5), "pod-a to acquire again", || async {
+        let l = w.leases.get("db").await.ok()?;
+        (l.holder() == Some("pod-a") && l.token() > w.held.token()).then_some(l)
+    })
+    .await;
+    let until = tokio::time::Instant::now() + QUIET;
+    while tokio::time::Instant::now() < until {
+        let l = w.lease().await;
+        assert!(
+            l.holder() == Some("pod-a") && l.token() == again.token(),
+            "revoked again: {:?} token {:?} (re-acquired with {:?})\ncontroller:\n{}",
+            l.spec,
+            l.token(),
+            again.token(),
+            w.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let evs = events(&w.client, &w.ns.name).await;
+    let gone = evs
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("HolderPodGone"))
+        .count();
+    assert_eq!(gone, 1, "one early revocation");
+}
