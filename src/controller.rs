@@ -1331,6 +1331,33 @@ mod tests {
     }
 
     #[test]
+    fn a_revocation_is_recognised_from_the_status_it_wrote() {
+        use crate::holder::Finished;
+        for cause in [
+            Cause::Expired,
+            Cause::HolderDead(Death::PodGone),
+            Cause::HolderDead(Death::PodFinished(Finished::Failed)),
+            Cause::HolderDead(Death::ContainerTerminated),
+            Cause::HolderDead(Death::ContainerRestarted),
+        ] {
+            let mut lease = FencedLease::new("db", crate::api::FencedLeaseSpec::free());
+            lease.metadata.generation = Some(7);
+            let conditions = holding_conditions(&lease, Some(cause));
+            let held = conditions.iter().find(|c| c.type_ == "Held");
+            assert!(held.is_some_and(|c| c.status == "False"), "{cause:?}");
+            lease.status = Some(crate::api::FencedLeaseStatus {
+                conditions,
+                ..Default::default()
+            });
+            // After a restart (no memory), the same conditions again.
+            assert_eq!(recorded_revocation(&lease), Some(cause));
+            // A later generation (a new holder came and went) is no longer revoked.
+            lease.metadata.generation = Some(8);
+            assert_eq!(recorded_revocation(&lease), None, "{cause:?}");
+        }
+    }
+
+    #[test]
     fn holder_changes_have_the_right_event() {
         let table = [
             (
