@@ -19,6 +19,10 @@ fn default_lease_duration_seconds() -> i32 {
     DEFAULT_LEASE_DURATION_SECONDS
 }
 
+fn default_true() -> bool {
+    true
+}
+
 /// The desired owner of a FencedLease. Every change here (taking, releasing or handing over the
 /// lease) increases `metadata.generation`, which is the fencing token.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -60,15 +64,30 @@ pub struct FencedLeaseSpec {
     /// lease (a handover). Other candidates wait one lease duration before they compete.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preferred_holder: Option<String>,
+
+    /// Whether the controller revokes the lease as soon as it knows the holder is dead, instead
+    /// of waiting out the lease (default true). Known dead means: the holder's identity names a
+    /// pod in this namespace annotated `fencedlease.io/lease: <this lease>`, and that pod was
+    /// deleted (seen by the running controller), or its phase is Failed or Succeeded, or the
+    /// container that campaigns (the injected sidecar, or the container named by the pod's
+    /// `fencedlease.io/campaign-container` annotation) terminated or restarted after the holder
+    /// acquired. A pod that is merely not Ready, on a NotReady node, or being deleted gracefully
+    /// is not dead. Early revocation is safe with fencing: it moves the token on, so an old
+    /// holder that still runs writes with a stale token. Set false to make the lease duration the
+    /// only clock.
+    #[serde(default = "default_true")]
+    pub revoke_on_holder_death: bool,
 }
 
 impl FencedLeaseSpec {
-    /// A spec with the documented defaults: free, 15 s lease, no preferred holder.
+    /// A spec with the documented defaults: free, 15 s lease, no preferred holder, revoked when
+    /// the holder is known dead.
     pub fn free() -> Self {
         FencedLeaseSpec {
             holder_identity: None,
             lease_duration_seconds: DEFAULT_LEASE_DURATION_SECONDS,
             preferred_holder: None,
+            revoke_on_holder_death: true,
         }
     }
 }

@@ -11,8 +11,7 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
-use kube::api::{Patch, PatchParams, PostParams};
-use kube::core::PartialObjectMeta;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -24,12 +23,13 @@ use tokio::time::Instant;
 use tracing::{debug, info, instrument, warn};
 
 use crate::api::{Condition, FencedLease};
+use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, Mono, Observation,
 };
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
-use crate::pods::{PodIndex, ROLE_LABEL};
+use crate::pods::{lease_of, pod_state, PodIndex, ROLE_LABEL};
 
 pub const FIELD_MANAGER: &str = "fencedlease-controller";
 
@@ -93,6 +93,16 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error(
+        "reading pod {pod}, whose holder looks dead, before revoking: {} (the controller needs \
+         list on pods in that namespace)",
+        short(source)
+    )]
+    HolderPod {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 /// A Kubernetes error in a sentence: an API error's message, without its whole Status.
@@ -127,6 +137,7 @@ impl Error {
             Error::Kube(_) => "client",
             Error::NoNamespace => "no_namespace",
             Error::LeaderLabel { .. } => "leader_label",
+            Error::HolderPod { .. } => "holder_pod",
         }
     }
 }
@@ -140,8 +151,21 @@ struct Seen {
     preferred: Option<String>,
     /// The generation this controller's revocation produced, if it revoked this lease.
     revoked_generation: Option<i64>,
+    /// Why it revoked.
+    revoked_for: Cause,
+    /// The holder this controller last revoked for a death, and when.
+    dead_revoked: Option<(String, Mono)>,
     /// The leader label could not be moved the last time.
     label_failing: bool,
+}
+
+/// Why the controller revoked a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cause {
+    /// The holder did not renew within the lease duration.
+    Expired,
+    /// The holder was known dead before its lease ran out.
+    HolderDead(Death),
 }
 
 /// State handed to `reconcile` and `error_policy`.
@@ -151,7 +175,7 @@ pub struct Context {
     pub metrics: ControllerMetrics,
     origin: Instant,
     seen: Mutex<HashMap<String, Seen>>,
-    /// Pods that belong to leases, fed by a metadata watch (see `crate::pods`).
+    /// Pods that belong to leases, fed by a watch of pods (see `crate::pods`).
     pods: Mutex<PodIndex>,
 }
 
@@ -333,6 +357,8 @@ struct Observed {
     previous: Option<(Option<String>, Option<String>)>,
     /// The generation this controller's revocation produced, if it revoked this lease.
     revoked_generation: Option<i64>,
+    revoked_for: Cause,
+    dead_revoked: Option<(String, Mono)>,
     /// The leader label could not be moved at the previous look.
     label_failing: bool,
 }
@@ -350,6 +376,8 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
             .and_then(|p| p.preferred.clone())
     });
     let revoked_generation = prev.as_ref().and_then(|p| p.revoked_generation);
+    let revoked_for = prev.as_ref().map_or(Cause::Expired, |p| p.revoked_for);
+    let dead_revoked = prev.as_ref().and_then(|p| p.dead_revoked.clone());
     let label_failing = prev.as_ref().is_some_and(|p| p.label_failing);
     seen.insert(
         key.to_string(),
@@ -358,6 +386,8 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
             holder,
             preferred,
             revoked_generation,
+            revoked_for,
+            dead_revoked: dead_revoked.clone(),
             label_failing,
         },
     );
@@ -365,6 +395,8 @@ fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono) -> Observ
         obs,
         previous: prev.map(|p| (p.holder, p.preferred)),
         revoked_generation,
+        revoked_for,
+        dead_revoked,
         label_failing,
     }
 }
@@ -404,9 +436,10 @@ impl<'a> LeaseReconcile<'a> {
         }
     }
 
-    /// Clears the holder of an expired lease (with the resourceVersion precondition), so the
-    /// token moves on and a paused holder is fenced off even if no candidate is waiting.
-    async fn revoke(&self, lease_duration: Duration) -> Result<Next, Error> {
+    /// Clears the holder of an expired lease, or of one whose holder is known dead (with the
+    /// resourceVersion precondition), so the token moves on and a paused holder is fenced off
+    /// even if no candidate is waiting.
+    async fn revoke(&self, cause: Cause, lease_duration: Duration) -> Result<Next, Error> {
         let mut desired = self.lease.clone();
         let old = desired.spec.holder_identity.take();
         let name = self.lease.name_any();
@@ -422,25 +455,95 @@ impl<'a> LeaseReconcile<'a> {
             }
             Err(e) => return Err(e.into()),
         };
-        let note = format!(
-            "{} did not renew for {}s: revoked, token now {}",
-            old.as_deref().unwrap_or("the holder"),
-            lease_duration.as_secs(),
-            revoked.token().unwrap_or_default()
-        );
-        info!(%note, "revoked an expired lease");
-        self.update_seen(|s| s.revoked_generation = revoked.metadata.generation);
-        let status = write_status(&self.api, &revoked, true).await;
+        let holder = old.as_deref().unwrap_or("the holder");
+        let token = revoked.token().unwrap_or_default();
+        let (reason, note, event) = match cause {
+            Cause::Expired => (
+                "Revoked",
+                format!(
+                    "{holder} did not renew for {}s: revoked, token now {token}",
+                    lease_duration.as_secs()
+                ),
+                "revoked",
+            ),
+            Cause::HolderDead(death) => (
+                death.reason(),
+                format!(
+                    "{}: revoked without waiting out the lease, token now {token}",
+                    death.note(holder)
+                ),
+                "revoked_holder_dead",
+            ),
+        };
+        info!(%note, "revoked a lease");
+        let mono = self.mono;
+        self.update_seen(|s| {
+            s.revoked_generation = revoked.metadata.generation;
+            s.revoked_for = cause;
+            if let (Cause::HolderDead(_), Some(h)) = (cause, old.clone()) {
+                s.dead_revoked = Some((h, mono));
+            }
+        });
+        let status = write_status(&self.api, &revoked, Some(cause)).await;
         publish(
             self.ctx,
             self.lease,
             EventType::Warning,
-            "Revoked",
+            reason,
             note,
-            "revoked",
+            event,
         )
         .await;
         status.map(|()| Next::AwaitChange)
+    }
+
+    /// Whether the holder is known dead: first from the pod index, then, since a revocation
+    /// cannot be taken back, confirmed with a fresh read of the pod (a LIST by name, which the
+    /// watch's rights already allow). A pod of that name that exists now (a new incarnation)
+    /// or that the index saw late in a new life is not revoked; a lease that changed since it
+    /// was read is refused by the revocation's precondition.
+    async fn known_death(&self, lease_duration: Duration) -> Result<Option<Death>, Error> {
+        let Some(holder) = self.lease.holder() else {
+            return Ok(None);
+        };
+        let last = self
+            .seen
+            .dead_revoked
+            .as_ref()
+            .map(|(h, at)| (h.as_str(), *at));
+        if !may_revoke_again(last, holder, self.mono, lease_duration) {
+            return Ok(None);
+        }
+        let lease_name = self.lease.name_any();
+        let known = {
+            let index = self.ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
+            index.holder_pod(&self.ns, &lease_name, holder)
+        };
+        if holder_death(self.lease, known).is_none() {
+            return Ok(None);
+        }
+        let pods: Api<Pod> = Api::namespaced(self.ctx.client.clone(), &self.ns);
+        let by_name = ListParams::default().fields(&format!("metadata.name={holder}"));
+        let listed = pods
+            .list(&by_name)
+            .await
+            .map_err(|source| Error::HolderPod {
+                pod: holder.to_string(),
+                source,
+            })?;
+        let fresh = match listed.items.first() {
+            // The index knew it as a pod of this lease: now it is gone.
+            None => HolderPod::Gone,
+            Some(pod) if lease_of(pod) == Some(lease_name.as_str()) => {
+                HolderPod::Present(pod_state(pod))
+            }
+            Some(_) => HolderPod::NotAPod,
+        };
+        let death = holder_death(self.lease, fresh);
+        if death.is_none() {
+            debug!(%holder, ?known, ?fresh, "the holder looked dead, but a fresh read says otherwise");
+        }
+        Ok(death)
     }
 }
 
@@ -450,9 +553,12 @@ impl Steps for LeaseReconcile<'_> {
         // The longer of the spec's duration and the one the holder renewed under.
         let wait = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
         match controller_decision(&self.seen.obs, wait, self.mono) {
-            ControllerAction::Revoke => self.revoke(wait).await,
+            ControllerAction::Revoke => self.revoke(Cause::Expired, wait).await,
             ControllerAction::HeldUntil(at) => {
-                write_status(&self.api, lease, false).await?;
+                if let Some(death) = self.known_death(wait).await? {
+                    return self.revoke(Cause::HolderDead(death), wait).await;
+                }
+                write_status(&self.api, lease, None).await?;
                 Ok(Next::Requeue(
                     at.saturating_sub(self.mono) + Duration::from_millis(1),
                 ))
@@ -460,7 +566,8 @@ impl Steps for LeaseReconcile<'_> {
             ControllerAction::Free => {
                 let revoked = self.seen.revoked_generation.is_some()
                     && self.seen.revoked_generation == lease.metadata.generation;
-                write_status(&self.api, lease, revoked).await?;
+                let cause = revoked.then_some(self.seen.revoked_for);
+                write_status(&self.api, lease, cause).await?;
                 Ok(Next::AwaitChange)
             }
         }
@@ -585,7 +692,7 @@ async fn move_leader_label(
 async fn write_status(
     api: &Api<FencedLease>,
     lease: &FencedLease,
-    revoked: bool,
+    revoked: Option<Cause>,
 ) -> Result<(), Error> {
     let status = lease.status.clone().unwrap_or_default();
     let generation = lease.metadata.generation;
@@ -642,7 +749,7 @@ async fn write_status(
     }
 }
 
-fn desired_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
+fn desired_conditions(lease: &FencedLease, revoked: Option<Cause>) -> Vec<Condition> {
     let mut conds = holding_conditions(lease, revoked);
     conds.push(handover_condition(lease));
     conds
@@ -686,7 +793,7 @@ fn handover_condition(lease: &FencedLease) -> Condition {
     }
 }
 
-fn holding_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
+fn holding_conditions(lease: &FencedLease, revoked: Option<Cause>) -> Vec<Condition> {
     let g = lease.metadata.generation;
     let token = lease.token().unwrap_or_default();
     match lease.holder() {
@@ -710,13 +817,25 @@ fn holding_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
         None => {
             // Revoked by this replica, or (after a restart) recorded as revoked at this very
             // generation: a later release or acquisition moves the generation on.
-            let recorded = lease
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Expired"))
-                .is_some_and(|c| c.status == "True" && c.observed_generation == g);
-            if revoked || recorded {
-                vec![
+            match revoked.or_else(|| recorded_revocation(lease)) {
+                Some(Cause::HolderDead(death)) => vec![
+                    condition(
+                        "Held",
+                        false,
+                        death.reason(),
+                        format!("{}: revoked, token now {token}", death.summary()),
+                        g,
+                    ),
+                    condition(
+                        "Expired",
+                        false,
+                        "HolderDead",
+                        "the holder was known dead and revoked before its lease ran out".into(),
+                        g,
+                    ),
+                    condition("Released", true, "Revoked", "the lease is free".into(), g),
+                ],
+                Some(Cause::Expired) => vec![
                     condition(
                         "Held",
                         false,
@@ -732,16 +851,34 @@ fn holding_conditions(lease: &FencedLease, revoked: bool) -> Vec<Condition> {
                         g,
                     ),
                     condition("Released", true, "Revoked", "the lease is free".into(), g),
-                ]
-            } else {
-                vec![
+                ],
+                None => vec![
                     condition("Held", false, "Free", "nobody holds the lease".into(), g),
                     condition("Expired", false, "Free", "the lease is free".into(), g),
                     condition("Released", true, "Free", "the lease is free".into(), g),
-                ]
+                ],
             }
         }
     }
+}
+
+/// A revocation the status records at the lease's generation (written by an earlier term or
+/// replica): `Expired=True`, or `Held=False` with a holder-death reason.
+fn recorded_revocation(lease: &FencedLease) -> Option<Cause> {
+    let g = lease.metadata.generation;
+    let conditions = &lease.status.as_ref()?.conditions;
+    let at_g = |type_: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_ && c.observed_generation == g)
+    };
+    if at_g("Expired").is_some_and(|c| c.status == "True") {
+        return Some(Cause::Expired);
+    }
+    at_g("Held")
+        .filter(|c| c.status == "False")
+        .and_then(|c| Death::from_reason(&c.reason))
+        .map(Cause::HolderDead)
 }
 
 /// Publishes an Event about a lease change and counts it in `fencedlease_lease_events`.
@@ -802,15 +939,16 @@ fn lease_stream(
         .applied_objects()
 }
 
-/// Reconcile requests for the leases whose pods changed, from one metadata-only watch of pods
-/// that also keeps `ctx.pods` current.
+/// Reconcile requests for the leases whose pods changed, from one watch of pods that also keeps
+/// `ctx.pods` current.
 fn pod_triggers(
     client: &Client,
     namespace: Option<&str>,
     ctx: Arc<Context>,
 ) -> impl futures::Stream<Item = ObjectRef<FencedLease>> + Send + 'static {
-    // Metadata only: what the index reads, not the pods' specs and statuses.
-    let api: Api<PartialObjectMeta<Pod>> = match namespace {
+    // Whole pods, since the index reads their status too; each is slimmed to what the index
+    // reads as it arrives.
+    let api: Api<Pod> = match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
@@ -1189,6 +1327,33 @@ mod tests {
             let cut = bounded_note(filler.repeat(2000));
             assert!(cut.len() <= MAX_EVENT_NOTE, "{filler}: {}", cut.len());
             assert!(cut.ends_with('…'));
+        }
+    }
+
+    #[test]
+    fn a_revocation_is_recognised_from_the_status_it_wrote() {
+        use crate::holder::Finished;
+        for cause in [
+            Cause::Expired,
+            Cause::HolderDead(Death::PodGone),
+            Cause::HolderDead(Death::PodFinished(Finished::Failed)),
+            Cause::HolderDead(Death::ContainerTerminated),
+            Cause::HolderDead(Death::ContainerRestarted),
+        ] {
+            let mut lease = FencedLease::new("db", crate::api::FencedLeaseSpec::free());
+            lease.metadata.generation = Some(7);
+            let conditions = holding_conditions(&lease, Some(cause));
+            let held = conditions.iter().find(|c| c.type_ == "Held");
+            assert!(held.is_some_and(|c| c.status == "False"), "{cause:?}");
+            lease.status = Some(crate::api::FencedLeaseStatus {
+                conditions,
+                ..Default::default()
+            });
+            // After a restart (no memory), the same conditions again.
+            assert_eq!(recorded_revocation(&lease), Some(cause));
+            // A later generation (a new holder came and went) is no longer revoked.
+            lease.metadata.generation = Some(8);
+            assert_eq!(recorded_revocation(&lease), None, "{cause:?}");
         }
     }
 

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod controller;
 pub mod crdgen;
 pub mod fencing;
+pub mod holder;
 pub mod lease;
 pub mod metrics;
 pub mod pods;

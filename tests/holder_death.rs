@@ -1,0 +1,450 @@
+//! Instant failover when the holder is known dead, against the real API server: the controller
+//! revokes a held lease at once when the holder's pod is gone, finished, or its campaigning
+//! container stopped or restarted after it acquired; and never for less (a process gone with
+//! its pod still there, a pod being deleted gracefully, a lease that opted out).
+//!
+//! The pods are stored, not run (the test cluster has no node): their status is written as the
+//! kubelet would, through pods/status. The holders are real `fencedlease campaign` processes
+//! whose identity is the pod's name, as the injected sidecar's is.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::procs::{campaign, controller, now_ns, scratch_dir, Proc};
+use common::{client, ensure_crd, eventually, TestNamespace};
+use fencedlease::api::{FencedLease, FencedLeaseSpec};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use nix::sys::signal::Signal;
+use serde_json::json;
+
+/// The lease duration everyone campaigns with: long, so that any revocation seen within a few
+/// seconds is an early one.
+const LEASE_S: u32 = 15;
+const NS_PER_S: i128 = 1_000_000_000;
+/// How long the tests watch for a revocation that must not come.
+const QUIET: Duration = Duration::from_secs(3);
+/// Finalizer that holds a pod in graceful deletion.
+const HOLD: &str = "fencedlease.io/test-hold";
+
+/// One test's world: a namespace, its controller, and a pod `pod-a` of lease `db` whose
+/// campaign process (identity `pod-a`) holds the lease.
+struct World {
+    client: Client,
+    ns: TestNamespace,
+    dir: PathBuf,
+    pods: Api<Pod>,
+    leases: Api<FencedLease>,
+    holder: Proc,
+    /// The lease as it was once the holder led and recorded its acquisition.
+    held: FencedLease,
+    _controller: Proc,
+}
+
+fn pod_literal(name: &str, finalizer: bool) -> Pod {
+    let finalizers: Vec<&str> = if finalizer { vec![HOLD] } else { vec![] };
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": {"fencedlease.io/lease": "db"},
+                     "finalizers": finalizers},
+        "spec": {"containers": [
+            {"name": "app", "image": "busybox"},
+            {"name": fencedlease::webhook::inject::CONTAINER, "image": "fencedlease"}
+        ]}
+    }))
+    .expect("pod literal")
+}
+
+impl World {
+    async fn new(prefix: &str, finalizer: bool, spec: FencedLeaseSpec) -> World {
+        let client = client().await;
+        ensure_crd();
+        let ns = TestNamespace::new(&client, prefix).await;
+        let dir = scratch_dir(prefix);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+        let leases: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+        pods.create(&PostParams::default(), &pod_literal("pod-a", finalizer))
+            .await
+            .expect("create the holder's pod");
+        leases
+            .create(&PostParams::default(), &FencedLease::new("db", spec))
+            .await
+            .expect("create the lease");
+        let ctl = controller(&dir, &ns.name, "controller-0");
+        let holder = campaign(&dir, &ns.name, "db", "pod-a", LEASE_S);
+        let held = held_by(&leases, &holder).await;
+        World {
+            client,
+            ns,
+            dir,
+            pods,
+            leases,
+            holder,
+            held,
+            _controller: ctl,
+        }
+    }
+
+    /// Waits until the controller leads its own lease and watches pods.
+    async fn controller_active(&self) {
+        let log = self.dir.join("controller-0.log");
+        eventually(
+            Duration::from_secs(30),
+            "the controller to lead",
+            || async {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                text.contains("this replica is the active controller")
+                    .then_some(())
+            },
+        )
+        .await;
+        // Its pod index has listed pod-a (only then does it put the leader label on it): a
+        // deletion before the list would leave no tombstone, and the lease would be waited out.
+        eventually(
+            Duration::from_secs(10),
+            "the leader label on pod-a",
+            || async {
+                let p = self.pods.get("pod-a").await.ok()?;
+                let labels = p.metadata.labels?;
+                (labels.get("fencedlease.io/role").map(String::as_str) == Some("leader"))
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+
+    async fn lease(&self) -> FencedLease {
+        self.leases.get("db").await.expect("get the lease")
+    }
+
+    /// Writes `status` into pod `name` through pods/status, as the kubelet would.
+    async fn pod_status(&self, name: &str, status: serde_json::Value) {
+        self.pods
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": status })),
+            )
+            .await
+            .expect("write the pod's status");
+    }
+
+    /// Asserts that the holder keeps the lease, unrevoked, for [`QUIET`].
+    async fn assert_not_revoked(&self, why: &str) {
+        let until = tokio::time::Instant::now() + QUIET;
+        while tokio::time::Instant::now() < until {
+            let lease = self.lease().await;
+            assert!(
+                lease.holder() == Some("pod-a") && lease.token() == self.held.token(),
+                "{why}: the lease changed hands early: {:?}\ncontroller:\n{}",
+                lease.spec,
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let events = events(&self.client, &self.ns.name).await;
+        let revoked: Vec<_> = events.iter().filter(|e| is_revocation(e)).collect();
+        assert!(revoked.is_empty(), "{why}: {revoked:?}");
+    }
+
+    /// Waits (at most `within`) until the lease no longer names pod-a; returns it and how long
+    /// that took from `since_ns`.
+    async fn revoked_within(&self, since_ns: i128, within: Duration) -> (FencedLease, f64) {
+        let bound = since_ns + within.as_nanos() as i128;
+        loop {
+            let lease = self.lease().await;
+            let took = (now_ns() - since_ns) as f64 / 1e9;
+            if lease.holder() != Some("pod-a") {
+                assert!(lease.token() > self.held.token(), "{:?}", lease.metadata);
+                return (lease, took);
+            }
+            assert!(
+                now_ns() < bound,
+                "not revoked {took:.2} s after the holder died (lease {LEASE_S} s)\ncontroller:\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// An Event with `reason`, waited for.
+    async fn event(&self, reason: &str) -> Event {
+        eventually(Duration::from_secs(5), reason, || async {
+            let evs = events(&self.client, &self.ns.name).await;
+            evs.into_iter()
+                .find(|e| e.reason.as_deref() == Some(reason))
+        })
+        .await
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("controller-0.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+/// Waits until `holder` leads (its first renewal recorded acquireTime); returns the lease then.
+async fn held_by(leases: &Api<FencedLease>, holder: &Proc) -> FencedLease {
+    eventually(Duration::from_secs(30), "pod-a to lead", || async {
+        holder.events().into_iter().find(|e| e.event == "leading")
+    })
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "the acquisition recorded",
+        || async {
+            let l = leases.get("db").await.ok()?;
+            let s = l.status.as_ref()?;
+            (l.holder() == Some("pod-a") && s.token == l.token() && s.acquire_time.is_some())
+                .then_some(l)
+        },
+    )
+    .await
+}
+
+fn acquired_ns(lease: &FencedLease) -> i128 {
+    lease
+        .status
+        .as_ref()
+        .and_then(|s| s.acquire_time.as_ref())
+        .expect("acquireTime")
+        .0
+        .as_nanosecond()
+}
+
+/// A time `s` whole seconds after `ns`, as the kubelet writes it (seconds, UTC).
+fn rfc3339_after(ns: i128, s: i128) -> String {
+    let t = jiff::Timestamp::from_nanosecond(ns + s * NS_PER_S).expect("a time");
+    jiff::Timestamp::from_second(t.as_second())
+        .expect("a time")
+        .to_string()
+}
+
+/// Sleeps until the wall clock has passed `ns`.
+async fn sleep_until_ns(ns: i128) {
+    let left = ns - now_ns();
+    if left > 0 {
+        tokio::time::sleep(Duration::from_nanos(left as u64)).await;
+    }
+}
+
+fn container_status(state: serde_json::Value) -> serde_json::Value {
+    json!({"phase": "Running", "containerStatuses": [{
+        "name": fencedlease::webhook::inject::CONTAINER, "ready": true, "restartCount": 1,
+        "image": "fencedlease", "imageID": "", "state": state
+    }]})
+}
+
+async fn events(client: &Client, ns: &str) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    events
+        .list(&Default::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+}
+
+fn is_revocation(e: &Event) -> bool {
+    let r = e.reason.as_deref().unwrap_or_default();
+    r == "Revoked" || r.starts_with("Holder")
+}
+
+fn opted_out() -> FencedLeaseSpec {
+    let mut spec = FencedLeaseSpec::free();
+    spec.revoke_on_holder_death = false;
+    spec
+}
+
+#[tokio::test]
+async fn a_force_deleted_holder_pod_fails_over_in_well_under_a_second() {
+    let w = World::new("death-gone", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    let b = campaign(&w.dir, &w.ns.name, "db", "pod-b", LEASE_S);
+    eventually(Duration::from_secs(10), "pod-b to start", || async {
+        b.events().into_iter().find(|e| e.event == "started")
+    })
+    .await;
+    // Time to list and watch the lease.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The node is gone with the holder: it stops renewing, and its pod is force-deleted.
+    w.holder.signal(Signal::SIGSTOP);
+    let deleted_ns = now_ns();
+    w.pods
+        .delete("pod-a", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force-delete the holder's pod");
+    let (_, took) = w.revoked_within(deleted_ns, Duration::from_secs(1)).await;
+    eprintln!("revoked {took:.3} s after the holder's pod was deleted (lease {LEASE_S} s)");
+    // The candidate takes over through its watch, with a larger token.
+    let next = eventually(Duration::from_secs(1), "pod-b to acquire", || async {
+        let l = w.leases.get("db").await.ok()?;
+        (l.holder() == Some("pod-b")).then_some(l)
+    })
+    .await;
+    let took = (now_ns() - deleted_ns) as f64 / 1e9;
+    eprintln!("pod-b acquired {took:.3} s after the deletion");
+    assert!(
+        took < 1.0,
+        "pod-b acquired only {took:.3} s after the deletion"
+    );
+    assert!(next.token() > w.held.token());
+    let ev = w.event("HolderPodGone").await;
+    let note = ev.note.unwrap_or_default();
+    assert!(note.contains("pod-a") && note.contains("deleted"), "{note}");
+}
+
+#[tokio::test]
+async fn a_dead_process_in_a_live_pod_waits_out_the_lease() {
+    let mut w = World::new("death-process", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    // Killed without a release; its pod stays, with nothing in its status to say so.
+    w.holder.signal(Signal::SIGKILL);
+    let _ = w.holder.wait_exit(Duration::from_secs(5));
+    w.assert_not_revoked("a pod whose process died unseen")
+        .await;
+}
+
+#[tokio::test]
+async fn a_campaigning_container_restarted_after_acquiring_is_revoked() {
+    let w = World::new("death-restart", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    w.holder.signal(Signal::SIGSTOP);
+    let acquired = acquired_ns(&w.held);
+    // A start before the acquisition (the run that acquired) is no restart.
+    w.pod_status(
+        "pod-a",
+        container_status(json!({"running": {"startedAt": rfc3339_after(acquired, -1)}})),
+    )
+    .await;
+    w.assert_not_revoked("the container that acquired is running")
+        .await;
+    // The kubelet reports a newer run of the sidecar, begun well after the acquisition.
+    sleep_until_ns(acquired + 3 * NS_PER_S).await;
+    let written = now_ns();
+    w.pod_status(
+        "pod-a",
+        container_status(json!({"running": {"startedAt": rfc3339_after(acquired, 3)}})),
+    )
+    .await;
+    w.revoked_within(written, Duration::from_secs(2)).await;
+    let ev = w.event("HolderContainerRestarted").await;
+    eprintln!("{:?}", ev.note);
+    // The status says why.
+    let held = eventually(Duration::from_secs(5), "Held=False", || async {
+        let s = w.leases.get("db").await.ok()?.status?;
+        s.conditions
+            .into_iter()
+            .find(|c| c.type_ == "Held" && c.status == "False")
+    })
+    .await;
+    assert_eq!(held.reason, "HolderContainerRestarted");
+}
+
+#[tokio::test]
+async fn a_failed_holder_pod_is_revoked() {
+    let w = World::new("death-failed", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    w.holder.signal(Signal::SIGSTOP);
+    let written = now_ns();
+    w.pod_status("pod-a", json!({"phase": "Failed", "reason": "Evicted"}))
+        .await;
+    w.revoked_within(written, Duration::from_secs(2)).await;
+    let ev = w.event("HolderPodFinished").await;
+    let note = ev.note.unwrap_or_default();
+    assert!(note.contains("Failed"), "{note}");
+}
+
+#[tokio::test]
+async fn a_pod_being_deleted_gracefully_is_left_to_its_sidecar() {
+    let w = World::new("death-graceful", true, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    // Graceful deletion (held open by a finalizer), and the sidecar's container already
+    // reported terminated after the acquisition: still not the controller's to revoke.
+    w.pods
+        .delete("pod-a", &DeleteParams::default())
+        .await
+        .expect("delete the holder's pod");
+    let acquired = acquired_ns(&w.held);
+    sleep_until_ns(acquired + 3 * NS_PER_S).await;
+    let finished = rfc3339_after(acquired, 3);
+    w.pod_status(
+        "pod-a",
+        container_status(json!({"terminated": {"exitCode": 0, "finishedAt": finished}})),
+    )
+    .await;
+    let pod = w.pods.get("pod-a").await.expect("the pod is still there");
+    assert!(pod.metadata.deletion_timestamp.is_some());
+    w.assert_not_revoked("a pod being deleted gracefully").await;
+    // The sidecar releases by itself, and that is the only Event.
+    w.holder.signal(Signal::SIGTERM);
+    w.event("Released").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let evs = events(&w.client, &w.ns.name).await;
+    let revoked: Vec<_> = evs.iter().filter(|e| is_revocation(e)).collect();
+    assert!(revoked.is_empty(), "{revoked:?}");
+    w.pods
+        .patch(
+            "pod-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("let the pod go");
+}
+
+#[tokio::test]
+async fn an_opted_out_lease_waits_out_a_dead_holder() {
+    let w = World::new("death-optout", false, opted_out()).await;
+    w.controller_active().await;
+    assert!(!w.held.spec.revoke_on_holder_death);
+    w.holder.signal(Signal::SIGSTOP);
+    w.pods
+        .delete("pod-a", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force-delete the holder's pod");
+    w.assert_not_revoked("a lease that opted out").await;
+}
+
+#[tokio::test]
+async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
+    let w = World::new("death-zombie", false, FencedLeaseSpec::free()).await;
+    w.controller_active().await;
+    // The pod is force-deleted, but its process still reaches the API server and campaigns.
+    let deleted_ns = now_ns();
+    w.pods
+        .delete("pod-a", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force-delete the holder's pod");
+    w.revoked_within(deleted_ns, Duration::from_secs(1)).await;
+    w.event("HolderPodGone").await;
+    // It acquires again; from then on it is waited out like any holder, not revoked again at
+    // once (which would trade writes with it as fast as both can go).
+    let again = eventually(Duration::from_secs(5), "pod-a to acquire again", || async {
+        let l = w.leases.get("db").await.ok()?;
+        (l.holder() == Some("pod-a") && l.token() > w.held.token()).then_some(l)
+    })
+    .await;
+    let until = tokio::time::Instant::now() + QUIET;
+    while tokio::time::Instant::now() < until {
+        let l = w.lease().await;
+        assert!(
+            l.holder() == Some("pod-a") && l.token() == again.token(),
+            "revoked again: {:?} token {:?} (re-acquired with {:?})\ncontroller:\n{}",
+            l.spec,
+            l.token(),
+            again.token(),
+            w.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let evs = events(&w.client, &w.ns.name).await;
+    let gone = evs
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("HolderPodGone"))
+        .count();
+    assert_eq!(gone, 1, "one early revocation");
+}
