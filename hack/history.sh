@@ -40,12 +40,18 @@ export FENCEDLEASE_CLUSTER_DIR="${FL_HISTORY_CLUSTER_DIR:-/tmp/fencedlease-histo
 export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((base + 4064)) FL_KCM_PORT=$((base + 3878))
 export FL_AUDIT_POLICY="$FL_REPO/hack/history/audit-policy.yaml"
 out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed${unfenced:+-unfenced}}"
+out=$(realpath -m "$out")
 rm -rf "$out" && mkdir -p "$out"
-# Clean-up, even when the run crashed: its processes run in sessions of their own (run.py
-# writes their pids; the apps' command lines name $out), its namespace, its cluster.
+# Clean-up, even when the run crashed: its processes (sessions of their own, each with
+# FL_HISTORY_RUN=$out in its environment; never old pids, which the kernel hands out again
+# within minutes here), its namespace, its cluster.
 cleanup() {
-  [ -f "$out/pids" ] && xargs -r kill -9 <"$out/pids" 2>/dev/null || true
-  pkill -9 -f -- "$out/" 2>/dev/null || true
+  local env pid
+  for env in /proc/[0-9]*/environ; do
+    pid=${env#/proc/}; pid=${pid%/environ}
+    [ "$pid" = $$ ] && continue
+    tr '\0' '\n' 2>/dev/null <"$env" | grep -qxF "FL_HISTORY_RUN=$out" && { kill -9 "$pid" 2>/dev/null || true; }
+  done
   ip netns pids "flh$base" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
   ip netns del "flh$base" 2>/dev/null || true
   hack/cluster.sh down

@@ -154,8 +154,6 @@ class Run:
         p = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                              env=env or self.env, start_new_session=True)
         self.procs[name] = (p, argv, env)
-        with open(os.path.join(self.out, "pids"), "a") as f:  # hack/history.sh's clean-up
-            f.write(f"{p.pid}\n")
 
     def send(self, name, sig):
         """Signals a process as a whole: every process group in its tree (`campaign` runs its
@@ -255,7 +253,10 @@ class Run:
         return path
 
     def setup(self):
-        self.env = dict(os.environ, KUBECONFIG=self.a.kubeconfig, RUST_LOG="info,kube=warn")
+        # FL_HISTORY_RUN marks every process of this run (inherited by the apps), so that
+        # hack/history.sh can find what a crashed run left without trusting old pids.
+        self.env = dict(os.environ, KUBECONFIG=self.a.kubeconfig, RUST_LOG="info,kube=warn",
+                        FL_HISTORY_RUN=os.path.abspath(self.out))
         for argv in (["kubectl", "apply", "-f", os.path.join(REPO, "crds")],
                      ["kubectl", "wait", "--for=condition=Established", "--timeout=60s",
                       "crd/fencedleases.fencedlease.io"]):
@@ -429,9 +430,11 @@ class Run:
             self.wind_down()
             return self.judge()
         finally:
-            for name in list(self.procs):
-                self.send(name, signal.SIGCONT)
-                self.send(name, signal.SIGKILL)
+            # Only processes not yet reaped: a reaped one's pid may belong to anyone by now.
+            for name, (p, _, _) in list(self.procs.items()):
+                if p.poll() is None:
+                    self.send(name, signal.SIGCONT)
+                    self.send(name, signal.SIGKILL)
             if hasattr(self, "part"):
                 self.part.close()
 
