@@ -835,10 +835,19 @@ async fn every_rendered_object_is_accepted_by_the_server() {
     rendered.push_str("\n---\n");
     rendered.push_str(&std::fs::read_to_string(&crd).expect("the chart's CRD file"));
     let docs = documents(&rendered);
+    // One budget per Deployment with more than one replica, and only where policy/v1 is served.
+    let replicated = find(&docs, "Deployment")
+        .iter()
+        .filter(|d| d["spec"]["replicas"].as_i64().unwrap_or(1) > 1)
+        .count();
     assert_eq!(
         find(&docs, "PodDisruptionBudget").len(),
-        usize::from(server_has("policy/v1")),
-        "a PodDisruptionBudget must be rendered exactly when the server serves policy/v1"
+        if server_has("policy/v1") {
+            replicated
+        } else {
+            0
+        },
+        "a PodDisruptionBudget per replicated Deployment, exactly when the server serves policy/v1"
     );
     assert_eq!(
         find(&docs, "ServiceMonitor").len(),

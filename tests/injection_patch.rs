@@ -1,8 +1,9 @@
 //! Injection only adds, against the real API server: read back, an injected pod's spec is the
 //! same pod's spec without injection (as the server stored it, defaults included) plus our
-//! additions at the ends of the lists, and nothing else. The 1.20 test server runs the sidecar as
-//! an ordinary container; the native-sidecar patch is covered by the unit and property tests in
-//! src/webhook/inject.rs until a newer test server can run it.
+//! additions at the ends of the lists, and nothing else. Before 1.29 the sidecar is an ordinary
+//! container (the last of `containers`); from 1.29 a native sidecar, the first of
+//! `initContainers` (so that it starts before the pod's own init containers): the test follows
+//! the server it runs against.
 
 mod common;
 
@@ -77,9 +78,21 @@ fn strip_tail(
 }
 
 /// The injected pod's spec without what the webhook added (checking that it is at the ends).
-fn without_injection(mut spec: Value, control: &Value) -> Value {
+fn without_injection(mut spec: Value, control: &Value, native: bool) -> Value {
     let named = |name: &'static str| move |v: &Value| v["name"] == name;
-    strip_tail(&mut spec, control, "containers", 1, named("fencedlease"));
+    if native {
+        let inits = spec["initContainers"]
+            .as_array_mut()
+            .expect("initContainers");
+        let first = inits.remove(0);
+        assert!(named("fencedlease")(&first), "not ours first: {first}");
+        assert!(!inits.iter().any(named("fencedlease")), "ours twice");
+        if inits.is_empty() && control.get("initContainers").is_none() {
+            spec.as_object_mut().map(|o| o.remove("initContainers"));
+        }
+    } else {
+        strip_tail(&mut spec, control, "containers", 1, named("fencedlease"));
+    }
     strip_tail(&mut spec, control, "volumes", 1, named("fencedlease-token"));
     let users = spec["containers"].as_array_mut().expect("containers");
     for (i, c) in users.iter_mut().enumerate() {
@@ -93,6 +106,17 @@ fn without_injection(mut spec: Value, control: &Value) -> Value {
         strip_tail(c, want, "volumeMounts", 1, named("fencedlease-token"));
     }
     spec
+}
+
+/// Since 1.22 each pod gets its own ServiceAccount token volume, `kube-api-access-<random>`:
+/// the same name in every pod, so that two pods compare.
+fn same_token_volume_name(v: &mut Value) {
+    match v {
+        Value::String(s) if s.starts_with("kube-api-access-") => *s = "kube-api-access-*".into(),
+        Value::Array(items) => items.iter_mut().for_each(same_token_volume_name),
+        Value::Object(members) => members.values_mut().for_each(same_token_volume_name),
+        _ => {}
+    }
 }
 
 /// Is `new` just `old` with things added (members, list elements), nothing changed or dropped?
@@ -129,10 +153,13 @@ async fn an_injected_pod_read_back_is_the_pod_as_submitted_plus_our_additions_on
     };
     let lease = json!({"fencedlease.io/lease": "shop"});
     let is_injected = |p: &DynamicObject| {
-        p.data["spec"]["containers"]
-            .as_array()
-            .is_some_and(|cs| cs.iter().any(|c| c["name"] == "fencedlease"))
+        ["containers", "initContainers"].iter().any(|list| {
+            p.data["spec"][*list]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["name"] == "fencedlease"))
+        })
     };
+    let native = common::server_minor(&client).await >= 29;
     eventually(
         Duration::from_secs(20),
         "the mutating webhook to be in effect",
@@ -172,15 +199,28 @@ async fn an_injected_pod_read_back_is_the_pod_as_submitted_plus_our_additions_on
     );
     // The injected pod is exactly that plus our additions, at the ends of the lists.
     let spec = injected.data["spec"].clone();
-    let ours = &spec["containers"][2];
+    let ours = if native {
+        &spec["initContainers"][0]
+    } else {
+        spec["containers"]
+            .as_array()
+            .and_then(|l| l.last())
+            .expect("containers")
+    };
     assert_eq!(ours["name"], "fencedlease");
+    if native {
+        assert_eq!(ours["restartPolicy"], "Always", "a native sidecar: {ours}");
+    }
     assert_eq!(
         spec["containers"][0]["env"][2],
         json!({"name": "FENCEDLEASE_URL", "value": "http://127.0.0.1:8787"})
     );
+    let mut control_spec = control.data["spec"].clone();
+    same_token_volume_name(&mut control_spec);
+    let mut stripped = without_injection(spec.clone(), &control_spec, native);
+    same_token_volume_name(&mut stripped);
     assert_eq!(
-        without_injection(spec, &control.data["spec"]),
-        control.data["spec"],
+        stripped, control_spec,
         "the injected pod's spec differs from the control's beyond our additions"
     );
 }

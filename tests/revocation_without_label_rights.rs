@@ -68,17 +68,20 @@ async fn service_account_without_pod_patch(client: &Client, ns: &str) {
 
 /// A kubeconfig for the test cluster that authenticates as the ServiceAccount's token.
 async fn kubeconfig_for_service_account(client: &Client, ns: &str, dir: &Path) -> String {
-    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-    let secret_name = eventually(
-        Duration::from_secs(30),
-        "the ServiceAccount's token Secret",
-        || async {
-            let sa = sas.get(SA).await.ok()?;
-            sa.secrets?.into_iter().find_map(|s| s.name)
-        },
-    )
-    .await;
+    // A token Secret of our own, which the controller-manager fills in on every release
+    // (since 1.24 it no longer makes one for each ServiceAccount by itself).
+    let secret_name = format!("{SA}-token");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": secret_name,
+                     "annotations": {"kubernetes.io/service-account.name": SA}},
+        "type": "kubernetes.io/service-account-token"
+    }))
+    .expect("secret literal");
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("create the ServiceAccount's token Secret");
     let token = eventually(Duration::from_secs(30), "the token", || async {
         let secret = secrets.get(&secret_name).await.ok()?;
         let bytes = secret.data?.remove("token")?.0;

@@ -65,15 +65,27 @@ async fn pods_and_deployments_get_the_sidecar_exactly_once() {
         },
     )
     .await;
-    // The 1.20 server has no native sidecars: an ordinary container, hardened, with the app
-    // container wired to it.
+    // Before 1.29 (no native sidecars) an ordinary container; from 1.29 a native sidecar: an
+    // init container with restartPolicy Always, which the kubelet starts before the app and
+    // stops after it. Hardened either way, with the app container wired to it.
     let spec = created.spec.as_ref().expect("spec");
-    assert!(spec.init_containers.is_none());
-    let sc = spec
-        .containers
-        .iter()
-        .find(|c| c.name == "fencedlease")
-        .expect("sidecar");
+    let native = common::server_minor(&client).await >= 29;
+    let inits = spec.init_containers.as_deref().unwrap_or_default();
+    let sc = if native {
+        assert!(!spec.containers.iter().any(|c| c.name == "fencedlease"));
+        let sc = inits
+            .iter()
+            .find(|c| c.name == "fencedlease")
+            .expect("the native sidecar among the init containers");
+        assert_eq!(sc.restart_policy.as_deref(), Some("Always"));
+        sc
+    } else {
+        assert!(spec.init_containers.is_none());
+        spec.containers
+            .iter()
+            .find(|c| c.name == "fencedlease")
+            .expect("sidecar")
+    };
     let sec = sc.security_context.as_ref().expect("securityContext");
     assert_eq!(sec.read_only_root_filesystem, Some(true));
     assert_eq!(sec.run_as_non_root, Some(true));
