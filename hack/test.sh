@@ -46,6 +46,24 @@ if ! cargo test --all-targets -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
+# The same integration tests on the current release, all but the node's (the node runs 1.20.2
+# only so far), on a second local Kubernetes of its own.
+cur="$FL_K8S_DEFAULT_VERSION"
+cur_tests=()
+for f in tests/*.rs; do
+  n=$(basename "$f" .rs)
+  [ "$n" = node ] || cur_tests+=(--test "$n")
+done
+log "integration tests on Kubernetes $cur (all but the node's)"
+if ! (
+  export FL_K8S_VERSION=$cur FENCEDLEASE_CLUSTER_DIR=/tmp/fencedlease-cluster-current \
+    FL_ETCD_PORT=13379 FL_ETCD_PEER_PORT=13380 FL_APISERVER_PORT=17443 FL_KCM_PORT=17257
+  trap 'hack/cluster.sh down' EXIT
+  hack/cluster.sh up
+  KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig" cargo test "${cur_tests[@]}" -- "$@"
+); then
+  die "integration tests failed on Kubernetes $cur (component logs: /tmp/fencedlease-cluster-current/logs)"
+fi
 # The history test runs on a local Kubernetes of its own (its nemesis restarts the API server
 # and etcd), after the shared cluster's tests: first its checker's tables, then a fenced run
 # that must pass with at least 100 stale writes attempted, then the same run unfenced, which
