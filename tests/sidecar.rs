@@ -286,10 +286,22 @@ async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_
                 "a follower is not ready with leader-only readiness"
             );
             assert_eq!(file, None, "only the leader has a token file");
-            let s = car.status().expect("status");
-            assert_eq!(s["holder"], st["identity"], "followers know the holder");
         }
     }
+    // Followers learn the holder from their watch of the lease, which may trail the leader's
+    // own write by a moment: within a lease duration (2 s) they all name it.
+    eventually(
+        Duration::from_secs(2),
+        "every follower to name the holder",
+        || async {
+            cars.iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .all(|(_, car)| car.status().is_some_and(|s| s["holder"] == st["identity"]))
+                .then_some(())
+        },
+    )
+    .await;
     // Follow one follower's SSE stream across a SIGTERM of the leader.
     let follower = cars[(i + 1) % 3];
     let sse_out = dir.join("sse.txt");
