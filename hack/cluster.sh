@@ -246,14 +246,6 @@ up() {
   log "local Kubernetes $("$bins/kube-apiserver" --version | cut -d' ' -f2) is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
 }
 
-# binary_minor KUBE_BINARY: the minor version the binary reports ("Kubernetes v1.37.2" -> 37).
-binary_minor() {
-  local v
-  v=$("$1" --version 2>/dev/null | sed -n 's/^Kubernetes v1\.\([0-9][0-9]*\)\..*/\1/p')
-  [ -n "$v" ] || die "$1 --version does not say 'Kubernetes v1.N...' (it says: $("$1" --version 2>&1 | head -n1)); a build without version stamps? remove its folder and rerun hack/k8s-binaries.sh"
-  echo "$v"
-}
-
 healthy_probe() {
   curl -fsS --max-time 2 --cacert "$DIR/pki/ca.crt" \
     -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" "https://127.0.0.1:$API_PORT/readyz"

@@ -60,3 +60,11 @@ apt_install() {
   with_heartbeat "apt-get install" "$FL_CACHE/apt-install.log" \
     env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
+
+# binary_minor KUBE_BINARY: the minor version the binary reports ("Kubernetes v1.37.2" -> 37).
+binary_minor() {
+  local v
+  v=$("$1" --version 2>/dev/null | sed -n 's/^Kubernetes v1\.\([0-9][0-9]*\)\..*/\1/p')
+  [ -n "$v" ] || die "$1 --version does not say 'Kubernetes v1.N...' (it says: $("$1" --version 2>&1 | head -n1)); a build without version stamps? remove its folder and rerun hack/k8s-binaries.sh"
+  echo "$v"
+}

@@ -50,23 +50,27 @@
 # tests/node.rs uses to freeze a pod), and the pause image ($PAUSE_IMAGE below) doubles as a
 # do-nothing app container in test pods.
 #
-# Versions: the node runs Kubernetes v1.20.2 only (FL_K8S_VERSION=1.20.2 for cluster.sh and
-# this script; `up` refuses other versions). For a current kubelet (issue 16), what is known,
-# read from v1.37.2's source and this machine, not yet run here:
+# Versions: the node runs the kubelet and kube-scheduler of $FL_K8S_VERSION (as cluster.sh), which
+# must be within the skew policy of the running API server (a kubelet up to three minors older,
+# never newer; `up` checks). Run here: v1.20.2 and v1.37.2. What differs, found on this machine:
 #   * This machine has cgroup v1 (/sys/fs/cgroup is a tmpfs). kubelet 1.35+ defaults
-#     failCgroupV1 to true (pkg/kubelet/apis/config/v1beta1/defaults.go) and refuses to start:
-#     its KubeletConfiguration needs `failCgroupV1: false`.
-#   * Flags gone since 1.20: --container-runtime (1.27; remote is the only runtime) and
-#     --pod-infra-container-image (the sandbox image comes from containerd's sandbox_image,
-#     which containerd_config sets already); kube-scheduler's --port (1.24+).
-#   * Runtime: Debian 12's containerd is 1.6.20 (CRI v1, which kubelet 1.26+ requires). It lacks
-#     the RuntimeConfig RPC; kubelet 1.37 then falls back to cgroupDriver from its own config
-#     (logging "CRI implementation should be updated to support RuntimeConfig") and counts it in
-#     a metric announcing the fallback's end in 1.38.0. So containerd 1.6 should do for 1.37; for
-#     1.38+ a newer containerd is needed: github.com/containerd/containerd/v2 (v2.2.9-v2.4.2 are
-#     served by the Go module proxy; untried, and whether it still runs on cgroup v1 is unchecked).
-#   * Skew: a kubelet may be up to three minors older than the API server, never newer; a
-#     v1.20.2 kubelet against a v1.37 API server is far outside that and unsupported.
+#     failCgroupV1 to true and refuses to start ("cgroup v1 support is unsupported"): its
+#     KubeletConfiguration sets `failCgroupV1: false` (a field 1.20 does not know, so only there).
+#   * Flags gone since 1.20: --container-runtime (1.27; remote is the only runtime);
+#     --container-runtime-endpoint, --image-service-endpoint and --runtime-request-timeout are
+#     configuration fields only in 1.37 (containerRuntimeEndpoint, ...); --pod-infra-container-image
+#     is gone (the sandbox image comes from containerd's sandbox_image, which containerd_config
+#     sets already); kube-scheduler's --port (1.24+).
+#   * Runtime: Debian 12's containerd 1.6.20 runs both (CRI v1, which kubelet 1.26+ requires). It
+#     lacks the RuntimeConfig RPC; kubelet 1.37 then takes cgroupDriver from its own config
+#     (logging "CRI implementation should be updated to support RuntimeConfig") and counts it in a
+#     metric announcing the fallback's end in 1.38.0. For 1.38+ a newer containerd is needed:
+#     github.com/containerd/containerd/v2 (served by the Go module proxy; untried here, and
+#     whether it still runs on cgroup v1 is unchecked).
+#   * The pause image is built from the pause.c of the same release (the 1.20.2 source tree, or
+#     the k8s.io/kubernetes module that hack/k8s-binaries.sh downloaded).
+#   * Native sidecars (restartable init containers) run on the 1.37 kubelet: the injected sidecar
+#     starts before the app and stops after it (tests/node.rs checks both).
 #
 # Variables: FENCEDLEASE_CLUSTER_DIR, FL_APISERVER_PORT (as for cluster.sh); FL_NODE_NAME (default:
 # the host name), FL_NODE_BRIDGE (flnode0), FL_NODE_SUBNET (10.213.0, a /24), FL_KUBELET_PORT
@@ -335,8 +339,13 @@ KC
 
 pause_image() {
   [ -f "$PAUSE_TAR" ] && return 0
-  local src="$FL_CACHE/k8s-$FL_K8S_VERSION/src/kubernetes/build/pause/linux/pause.c"
-  [ -f "$src" ] || die "no $src: the Kubernetes source tree is missing (rm -rf $FL_CACHE/k8s-$FL_K8S_VERSION/bin and rerun to rebuild it)"
+  local src
+  if [ "$FL_K8S_VERSION" = "$FL_K8S_LEGACY_VERSION" ]; then
+    src="$FL_CACHE/k8s-$FL_K8S_VERSION/src/kubernetes/build/pause/linux/pause.c"
+  else
+    src="$(go env GOMODCACHE)/k8s.io/kubernetes@v$FL_K8S_VERSION/build/pause/linux/pause.c"
+  fi
+  [ -f "$src" ] || die "no $src: the Kubernetes source is missing (rm -rf $FL_CACHE/k8s-$FL_K8S_VERSION/bin and rerun hack/k8s-binaries.sh --node to fetch and rebuild it)"
   log "building the pause image from $src (gcc -static)"
   local work
   work=$(mktemp -d)
@@ -464,13 +473,28 @@ evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.availa
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 YAML
+  if [ "$MINOR" -ge 27 ]; then
+    cat >>"$NODE/kubelet-config.yaml" <<YAML
+containerRuntimeEndpoint: "unix://$SOCK"
+imageServiceEndpoint: "unix://$SOCK"
+runtimeRequestTimeout: 5m0s
+YAML
+  fi
+  # cgroup v1 here (see the top of this file); 1.35+ refuses it unless told otherwise.
+  [ "$MINOR" -lt 35 ] || echo "failCgroupV1: false" >>"$NODE/kubelet-config.yaml"
+}
+
+# check_skew: the kubelet ($MINOR) may be up to three minors older than the API server, never newer.
+check_skew() {
+  local api
+  api=$(kc version -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["minor"].rstrip("+"))') ||
+    die "cannot read the API server's version (kubectl version) on 127.0.0.1:$API_PORT"
+  if [ "$MINOR" -gt "$api" ] || [ "$MINOR" -lt $((api - 3)) ]; then
+    die "kubelet v1.$MINOR (FL_K8S_VERSION=$FL_K8S_VERSION) is outside the skew policy of the API server v1.$api (a kubelet may be up to three minors older, never newer): start both with the same FL_K8S_VERSION (hack/cluster.sh down && hack/cluster.sh up)"
+  fi
 }
 
 up() {
-  # Only the v1.20.2 node has been verified (kubelet, containerd 1.6, the pause image from that
-  # tree). See the notes on newer kubelets at the top of this file.
-  [ "$FL_K8S_VERSION" = "$FL_K8S_LEGACY_VERSION" ] ||
-    die "hack/node.sh runs only Kubernetes v$FL_K8S_LEGACY_VERSION so far, not v$FL_K8S_VERSION (issue 16): start the control plane and the node with FL_K8S_VERSION=$FL_K8S_LEGACY_VERSION (hack/cluster.sh down first if another version runs)"
   control_plane_up ||
     die "no control plane answers on 127.0.0.1:$API_PORT with $ADMIN_KUBECONFIG: start it first with hack/cluster.sh up (same FENCEDLEASE_CLUSTER_DIR and FL_* ports)"
   if healthy; then
@@ -482,6 +506,8 @@ up() {
   apt_install containerd runc containernetworking-plugins iptables gcc libc6-dev
   local bins
   bins=$("$FL_REPO/hack/k8s-binaries.sh" --node)
+  MINOR=$(binary_minor "$bins/kubelet")
+  check_skew
   for port in "$KUBELET_PORT" "$KUBELET_HEALTHZ_PORT" "$SCHED_PORT"; do
     port_free "$port" || die "port $port on this machine is taken (ss -ltnp 'sport = :$port'); stop that program or set FL_KUBELET_PORT / FL_KUBELET_HEALTHZ_PORT / FL_SCHEDULER_PORT"
   done
@@ -514,11 +540,14 @@ YAML
   node_has_image "$PAUSE_IMAGE" || import_archive "$PAUSE_TAR" "$PAUSE_IMAGE"
 
   log "starting kube-scheduler on 127.0.0.1:$SCHED_PORT"
+  # In 1.20 --port defaults to an open HTTP port (10251); 0 turns it off. Gone by 1.24.
+  local sched_version_flags=()
+  [ "$MINOR" -ge 24 ] || sched_version_flags+=(--port=0)
   mkdir -p "$NODE/kube-scheduler"
   start kube-scheduler "$bins/kube-scheduler" --kubeconfig="$NODE/kube-scheduler.kubeconfig" \
     --authentication-kubeconfig="$NODE/kube-scheduler.kubeconfig" --authorization-kubeconfig="$NODE/kube-scheduler.kubeconfig" \
-    --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --port=0 --leader-elect=false \
-    --cert-dir="$NODE/kube-scheduler"
+    --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false \
+    --cert-dir="$NODE/kube-scheduler" "${sched_version_flags[@]}"
 
   if [ ! -f "$NODE/sysctl.saved" ]; then
     for k in "${SYSCTLS[@]}"; do echo "$k $(cat "/proc/sys/$k")"; done >"$NODE/sysctl.saved"
@@ -526,11 +555,14 @@ YAML
   kubelet_config
   [ -e /var/lib/kubelet ] || touch "$NODE/made-var-lib-kubelet"
   log "starting kubelet v$FL_K8S_VERSION as node $NODE_NAME ($NODE_IP; API on 127.0.0.1:$KUBELET_PORT)"
+  # Before 1.27 the runtime is chosen by flags; from then on by the configuration (kubelet_config).
+  local kubelet_version_flags=()
+  [ "$MINOR" -ge 27 ] || kubelet_version_flags+=(--container-runtime=remote
+    --container-runtime-endpoint="unix://$SOCK" --image-service-endpoint="unix://$SOCK"
+    --runtime-request-timeout=5m --pod-infra-container-image="$PAUSE_IMAGE")
   start kubelet "$bins/kubelet" --config="$NODE/kubelet-config.yaml" --kubeconfig="$NODE/kubelet.kubeconfig" \
-    --root-dir="$NODE/kubelet" --cert-dir="$NODE/kubelet-pki" \
-    --container-runtime=remote --container-runtime-endpoint="unix://$SOCK" --image-service-endpoint="unix://$SOCK" \
-    --runtime-request-timeout=5m \
-    --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --pod-infra-container-image="$PAUSE_IMAGE" --v=1
+    --root-dir="$NODE/kubelet" --cert-dir="$NODE/kubelet-pki" "${kubelet_version_flags[@]}" \
+    --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
 
   wait_for kube-scheduler 60 "$DIR/logs/kube-scheduler.log" curl -fsSk --max-time 2 "https://127.0.0.1:$SCHED_PORT/healthz"
   wait_for kubelet 60 "$DIR/logs/kubelet.log" curl -fsS --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"

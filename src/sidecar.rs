@@ -725,21 +725,6 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             .await
     });
 
-    let probe_server = match probes {
-        Some((addr, router)) => {
-            let l = bind_probe_listener(addr).await?;
-            let addr = l.local_addr().unwrap_or(addr);
-            info!(%addr, "probe endpoint (/healthz, /readyz) listening");
-            let stop = crate::until_stopped(stop_rx_extra.clone());
-            Some(tokio::spawn(serve_probes(
-                l,
-                router,
-                ProbeLimits::default(),
-                stop,
-            )))
-        }
-        None => None,
-    };
     let proxy = match args.proxy_listen {
         Some(addr) => {
             let router = crate::proxy::router(
@@ -756,6 +741,23 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             Some(tokio::spawn(async move {
                 axum::serve(l, router).with_graceful_shutdown(stop).await
             }))
+        }
+        None => None,
+    };
+    // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
+    // starts once it answers, by when every other endpoint listens.
+    let probe_server = match probes {
+        Some((addr, router)) => {
+            let l = bind_probe_listener(addr).await?;
+            let addr = l.local_addr().unwrap_or(addr);
+            info!(%addr, "probe endpoint (/healthz, /readyz) listening");
+            let stop = crate::until_stopped(stop_rx_extra.clone());
+            Some(tokio::spawn(serve_probes(
+                l,
+                router,
+                ProbeLimits::default(),
+                stop,
+            )))
         }
         None => None,
     };

@@ -45,7 +45,9 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, ContainerStatus, Namespace, Node, Pod, Secret, ServiceAccount,
+};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
@@ -97,12 +99,7 @@ async fn ready_node(client: &Client) -> Node {
 /// Panics at once with the reason when a pod's container cannot start (for example the image
 /// was never imported), instead of waiting for a timeout.
 fn fail_fast_on_waiting(pod: &Pod) {
-    let statuses = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.clone())
-        .unwrap_or_default();
-    for cs in statuses {
+    for cs in container_statuses(pod) {
         let Some(w) = cs.state.and_then(|s| s.waiting) else {
             continue;
         };
@@ -249,19 +246,40 @@ fn has_leader_label(p: &Pod) -> bool {
         .is_some_and(|v| v == "leader")
 }
 
+/// The containers that run beside each other for the pod's life: native sidecars (init
+/// containers with `restartPolicy: Always`, from 1.29) first, in their order, then the
+/// ordinary containers.
+fn running_containers(p: &Pod) -> Vec<Container> {
+    let Some(spec) = p.spec.as_ref() else {
+        return Vec::new();
+    };
+    let sidecars = spec.init_containers.iter().flatten();
+    sidecars
+        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+        .chain(spec.containers.iter())
+        .cloned()
+        .collect()
+}
+
 fn container_names(p: &Pod) -> Vec<String> {
-    p.spec
-        .as_ref()
-        .map(|s| s.containers.iter().map(|c| c.name.clone()).collect())
-        .unwrap_or_default()
+    running_containers(p).into_iter().map(|c| c.name).collect()
+}
+
+/// The statuses of [`running_containers`] (a native sidecar's is among the init containers').
+fn container_statuses(p: &Pod) -> Vec<ContainerStatus> {
+    let names = container_names(p);
+    let Some(status) = p.status.as_ref() else {
+        return Vec::new();
+    };
+    let init = status.init_container_statuses.iter().flatten();
+    init.chain(status.container_statuses.iter().flatten())
+        .filter(|c| names.contains(&c.name))
+        .cloned()
+        .collect()
 }
 
 fn all_containers_ready(p: &Pod) -> bool {
-    let statuses = p
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.clone())
-        .unwrap_or_default();
+    let statuses = container_statuses(p);
     !statuses.is_empty()
         && statuses.len() == container_names(p).len()
         && statuses.iter().all(|c| c.ready)
@@ -269,11 +287,10 @@ fn all_containers_ready(p: &Pod) -> bool {
 
 /// containerd's id of a container of the pod ("containerd://<id>" in its status).
 fn container_id(p: &Pod, container: &str) -> String {
-    p.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == container))
-        .and_then(|c| c.container_id.clone())
+    container_statuses(p)
+        .into_iter()
+        .find(|c| c.name == container)
+        .and_then(|c| c.container_id)
         .and_then(|id| id.strip_prefix("containerd://").map(str::to_string))
         .unwrap_or_else(|| panic!("pod {} has no running container {container}", name_of(p)))
 }
@@ -282,12 +299,7 @@ fn container_id(p: &Pod, container: &str) -> String {
 fn describe(pods: &[Pod]) -> String {
     pods.iter()
         .map(|p| {
-            let ready = p
-                .status
-                .as_ref()
-                .and_then(|s| s.container_statuses.as_ref())
-                .map(|cs| cs.iter().filter(|c| c.ready).count())
-                .unwrap_or(0);
+            let ready = container_statuses(p).iter().filter(|c| c.ready).count();
             format!(
                 "{} {}/{} ready={} containers={:?} leader-label={} phase={:?}{}",
                 name_of(p),
@@ -571,17 +583,8 @@ impl Injected {
             .create(&PostParams::default(), &lease)
             .await
             .expect("creating the FencedLease");
-        // The ServiceAccount admission plugin refuses pods until the token controller has made
-        // the account's token Secret; wait for it rather than for the ReplicaSet's retries.
-        eventually(
-            Duration::from_secs(30),
-            "the token Secret of ServiceAccount worker (made by kube-controller-manager)",
-            || async {
-                let sa = sas.get(WORKLOAD).await.ok()?;
-                sa.secrets.is_some_and(|s| !s.is_empty()).then_some(())
-            },
-        )
-        .await;
+        // Rather than wait through the ReplicaSet's retries.
+        common::wait_service_account(&self.client, ns, WORKLOAD).await;
 
         let deployment: Deployment = serde_json::from_value(json!({
             "metadata": {"name": WORKLOAD},
@@ -888,6 +891,51 @@ fn ctr(socket: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// containerd's event stream (`ctr events`), recorded to a file while it lives: the order in
+/// which the node started and stopped tasks, as the runtime saw it.
+struct CtrEvents {
+    child: std::process::Child,
+    out: PathBuf,
+}
+
+impl CtrEvents {
+    fn start(socket: &Path, out: PathBuf) -> CtrEvents {
+        let file = std::fs::File::create(&out).expect("creating the events file");
+        let child = Command::new("ctr")
+            .arg("--address")
+            .arg(socket)
+            .args(["--namespace", "k8s.io", "events"])
+            .stdout(file)
+            .spawn()
+            .expect("running ctr events (Debian's containerd package; hack/node.sh installs it)");
+        CtrEvents { child, out }
+    }
+
+    /// Stops recording; returns (topic, container id) of every task start and exit, in order.
+    fn stop(mut self) -> Vec<(String, String)> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let topic = ["/tasks/start", "/tasks/exit"]
+                    .into_iter()
+                    .find(|t| l.contains(&format!(" {t} ")))?;
+                let body = &l[l.find(topic)? + topic.len()..];
+                let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+                Some((topic.to_string(), v["container_id"].as_str()?.to_string()))
+            })
+            .collect()
+    }
+}
+
+impl Drop for CtrEvents {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// The host pid of a container's task.
 fn task_pid(socket: &Path, id: &str) -> u32 {
     let list = ctr(socket, &["tasks", "ls"]);
@@ -1078,17 +1126,7 @@ async fn a_deployment_of_two_sidecars_elects_exactly_one_of_its_pods() {
         .await
         .expect("creating the RoleBinding");
 
-    // The ServiceAccount admission plugin mounts the account's token Secret (made by the
-    // controller-manager's token controller) and refuses pods until it exists.
-    eventually(
-        Duration::from_secs(30),
-        "the token Secret of ServiceAccount worker (made by kube-controller-manager)",
-        || async {
-            let sa = sas.get("worker").await.ok()?;
-            sa.secrets.is_some_and(|s| !s.is_empty()).then_some(())
-        },
-    )
-    .await;
+    common::wait_service_account(&client, &ns.name, "worker").await;
 
     let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "worker"},
@@ -1349,10 +1387,9 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
         .create(&PostParams::default(), &annotated_pod("injected", "demo"))
         .await
         .expect("creating an annotated pod");
-    let sidecar = created
-        .spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == "fencedlease"))
+    let sidecar = running_containers(&created)
+        .into_iter()
+        .find(|c| c.name == "fencedlease")
         .unwrap_or_else(|| {
             panic!(
                 "the annotated pod was created without the sidecar: {:?}",
@@ -1471,8 +1508,13 @@ async fn an_injected_deployment_has_one_leader_the_only_ready_and_labelled_pod()
         lease.token(),
         name_of(&follower)
     );
-    // The sidecar was injected as an ordinary container (1.20), beside the app.
-    assert_eq!(container_names(&leader), ["app", "fencedlease"]);
+    // The sidecar was injected as a native sidecar where the server has them (1.29+: an init
+    // container that runs for the pod's life, ahead of the app), else as an ordinary container.
+    if common::server_minor(&w.client).await >= 29 {
+        assert_eq!(container_names(&leader), ["fencedlease", "app"]);
+    } else {
+        assert_eq!(container_names(&leader), ["app", "fencedlease"]);
+    }
     // The holder reports the token it holds; the token is the lease's generation.
     let status = lease.status.clone().unwrap_or_default();
     assert_eq!(
@@ -1575,6 +1617,79 @@ async fn deleting_the_leader_pod_gives_a_new_leader_with_a_larger_token() {
     println!(
         "{}",
         summary("deleting the leader pod (a follower is running)", &gaps)
+    );
+}
+
+/// Native sidecars (Kubernetes 1.29+; the injection chooses them by the server's version): the
+/// kubelet starts the injected sidecar, and waits for its startup probe, before the app, and
+/// stops it only after the app has exited, so the app has its token and proxy for its whole
+/// life. Seen in containerd's own event stream, which orders task starts and exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_native_sidecar_starts_before_the_app_and_stops_after_it() {
+    let w = Injected::start("node-native").await;
+    let minor = common::server_minor(&w.client).await;
+    assert!(
+        minor >= 29,
+        "native sidecars need Kubernetes 1.29+, this server is 1.{minor}: hack/test.sh runs the \
+         node tests on the current release"
+    );
+    let socket = containerd_socket(&ready_node(&w.client).await);
+    let (leader, follower, _) = w.steady(Duration::from_secs(120)).await;
+    assert_eq!(container_names(&leader), ["fencedlease", "app"]);
+    let before = [name_of(&leader), name_of(&follower)];
+    let old_ids = [
+        container_id(&leader, "fencedlease"),
+        container_id(&leader, "app"),
+    ];
+    let dir = common::procs::scratch_dir("node-native");
+    let events = CtrEvents::start(&socket, dir.join("ctr-events.txt"));
+    w.pods()
+        .delete(&before[0], &DeleteParams::default())
+        .await
+        .expect("deleting the leader pod");
+    let replacement = poll(
+        Duration::from_secs(120),
+        "the Deployment's replacement pod with both containers running, and the old pod gone",
+        || async {
+            let all = w.pods().list(&ListParams::default()).await;
+            let all = all.map_err(|e| e.to_string())?.items;
+            let old_gone = !all.iter().any(|p| name_of(p) == before[0]);
+            let new = w.live_pods().await?.into_iter().find(|p| {
+                !before.contains(&name_of(p))
+                    && container_statuses(p)
+                        .iter()
+                        .all(|c| c.started == Some(true))
+                    && container_statuses(p).len() == 2
+            });
+            match new {
+                Some(p) if old_gone => Ok(p),
+                _ => Err(describe(&all)),
+            }
+        },
+    )
+    .await;
+    let new_ids = [
+        container_id(&replacement, "fencedlease"),
+        container_id(&replacement, "app"),
+    ];
+    let seen = events.stop();
+    let at = |topic: &str, id: &str| {
+        seen.iter()
+            .position(|(t, c)| t == topic && c == id)
+            .unwrap_or_else(|| panic!("containerd reported no {topic} of {id}: {seen:?}"))
+    };
+    assert!(
+        at("/tasks/start", &new_ids[0]) < at("/tasks/start", &new_ids[1]),
+        "the replacement's app started before its sidecar: {seen:?}"
+    );
+    assert!(
+        at("/tasks/exit", &old_ids[1]) < at("/tasks/exit", &old_ids[0]),
+        "the deleted pod's sidecar stopped before its app: {seen:?}"
+    );
+    println!(
+        "native sidecar: started first in {}, stopped last in {}",
+        name_of(&replacement),
+        before[0]
     );
 }
 
@@ -1717,11 +1832,7 @@ async fn a_frozen_leader_is_replaced_and_its_stale_write_is_refused_after_it_tha
         Some(new.as_str())
     );
     let thawed = w.pods().get(&old).await.expect("the thawed pod");
-    let restarts: Vec<(String, i32)> = thawed
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.clone())
-        .unwrap_or_default()
+    let restarts: Vec<(String, i32)> = container_statuses(&thawed)
         .into_iter()
         .map(|c| (c.name, c.restart_count))
         .collect();

@@ -440,7 +440,14 @@ fn sidecar(o: &Options, cfg: &InjectConfig) -> Value {
         "readinessProbe": readiness,
     });
     if cfg.native_sidecars {
+        // A native sidecar starts before the app; with a startup probe the kubelet also waits
+        // until its endpoints listen (the probe endpoint is bound last), so the app's first
+        // request for the token finds the API up.
         sidecar["restartPolicy"] = json!("Always");
+        sidecar["startupProbe"] = json!({
+            "httpGet": {"path": "/healthz", "port": o.probe_port},
+            "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 60,
+        });
     }
     sidecar
 }
@@ -687,6 +694,15 @@ mod tests {
         let ic = &v["spec"]["initContainers"][0];
         assert_eq!(ic["name"], CONTAINER);
         assert_eq!(ic["restartPolicy"], "Always");
+        // The app starts only once the sidecar's endpoints answer.
+        assert_eq!(
+            ic["startupProbe"]["httpGet"],
+            json!({"path": "/healthz", "port": 8789})
+        );
+        let ordinary = injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), false);
+        assert!(ordinary["spec"]["containers"][1]
+            .get("startupProbe")
+            .is_none());
     }
 
     #[test]

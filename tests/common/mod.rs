@@ -141,24 +141,31 @@ impl TestNamespace {
             .create(&PostParams::default(), &ns)
             .await
             .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
-        // The ServiceAccount admission plugin refuses pods until the controller-manager has
-        // made the namespace's default ServiceAccount (and, before 1.24, its token Secret):
-        // wait for both.
-        let token_secrets = server_minor(client).await < 24;
-        let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-            Api::namespaced(client.clone(), &name);
-        eventually(
-            Duration::from_secs(30),
-            "the namespace's default ServiceAccount",
-            || async {
-                let sa = sas.get_opt("default").await.ok().flatten()?;
-                let has_secret = sa.secrets.as_ref().is_some_and(|s| !s.is_empty());
-                (has_secret || !token_secrets).then_some(())
-            },
-        )
-        .await;
+        wait_service_account(client, &name, "default").await;
         TestNamespace { name }
     }
+}
+
+/// Waits until pods may use ServiceAccount `name`: the ServiceAccount admission plugin refuses
+/// them until it exists (the controller-manager makes `default`) and, before 1.24, until the
+/// token controller has made its token Secret. (From 1.24 tokens are projected, no Secret.)
+pub async fn wait_service_account(client: &Client, ns: &str, name: &str) {
+    let token_secrets = server_minor(client).await < 24;
+    let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), ns);
+    let what = format!(
+        "ServiceAccount {ns}/{name}{}",
+        if token_secrets {
+            " and its token Secret (made by kube-controller-manager)"
+        } else {
+            ""
+        }
+    );
+    eventually(Duration::from_secs(30), &what, || async {
+        let sa = sas.get_opt(name).await.ok().flatten()?;
+        let has_secret = sa.secrets.as_ref().is_some_and(|s| !s.is_empty());
+        (has_secret || !token_secrets).then_some(())
+    })
+    .await;
 }
 
 /// The API server's minor version (20 for v1.20.2, 37 for v1.37.2).
