@@ -10,10 +10,7 @@
 #   hack/demo.sh                    run it (brings up the local Kubernetes if needed)
 #   FL_KEEP_CLUSTER=1 hack/demo.sh  leave the cluster running afterwards
 set -euo pipefail
-# The demo has run on Kubernetes v1.20.2 only so far: it stays there unless
-# FL_K8S_VERSION says otherwise, until issue 16 moves it to the default release.
-: "${FL_K8S_VERSION:=1.20.2}"
-export FL_K8S_VERSION
+# Runs on the current release by default (FL_K8S_VERSION=1.20.2 for the oldest we support).
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
 cd "$FL_REPO"

@@ -6,12 +6,11 @@
 #   hack/test.sh -- NAME         only cargo tests whose name contains NAME
 #   FL_KEEP_CLUSTER=1 hack/test.sh   leave the cluster running for a look afterwards
 set -euo pipefail
-# The suite (node included) has run on Kubernetes v1.20.2 only so far: it stays there unless
-# FL_K8S_VERSION says otherwise, until issue 16 moves it to the default release.
-: "${FL_K8S_VERSION:=1.20.2}"
-export FL_K8S_VERSION
+# The whole suite, node included, runs on the current release ($FL_K8S_DEFAULT_VERSION, or
+# FL_K8S_VERSION); then a compatibility subset on the oldest supported one (1.20.2).
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
+export FL_K8S_VERSION
 cd "$FL_REPO"
 
 [ "${1:-}" = "--" ] && shift
@@ -46,23 +45,26 @@ if ! cargo test --all-targets -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
-# The same integration tests on the current release, all but the node's (the node runs 1.20.2
-# only so far), on a second local Kubernetes of its own.
-cur="$FL_K8S_DEFAULT_VERSION"
-cur_tests=()
-for f in tests/*.rs; do
-  n=$(basename "$f" .rs)
-  [ "$n" = node ] || cur_tests+=(--test "$n")
+# The compatibility subset on the oldest release we support, on a second local Kubernetes of
+# its own: the CRD, election, the controller, the fencing webhook, injection with the sidecar
+# as an ordinary container (no native sidecars before 1.29), the chart. (No node: the pods'
+# lifecycle is the current kubelet's.)
+old_k8s="$FL_K8S_LEGACY_VERSION"
+compat_tests=()
+for n in crd_api election controller webhook fencing_presented fencing_exempt fencing_subresources \
+  injection_patch sidecar lease_rights chart; do
+  [ -f "tests/$n.rs" ] || die "hack/test.sh names a compatibility test tests/$n.rs that does not exist"
+  compat_tests+=(--test "$n")
 done
-log "integration tests on Kubernetes $cur (all but the node's)"
+log "compatibility subset on Kubernetes $old_k8s: ${compat_tests[*]}"
 if ! (
-  export FL_K8S_VERSION=$cur FENCEDLEASE_CLUSTER_DIR=/tmp/fencedlease-cluster-current \
+  export FL_K8S_VERSION=$old_k8s FENCEDLEASE_CLUSTER_DIR=/tmp/fencedlease-cluster-compat \
     FL_ETCD_PORT=13379 FL_ETCD_PEER_PORT=13380 FL_APISERVER_PORT=17443 FL_KCM_PORT=17257
   trap 'hack/cluster.sh down' EXIT
   hack/cluster.sh up
-  KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig" cargo test "${cur_tests[@]}" -- "$@"
+  KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig" cargo test "${compat_tests[@]}" -- "$@"
 ); then
-  die "integration tests failed on Kubernetes $cur (component logs: /tmp/fencedlease-cluster-current/logs)"
+  die "the compatibility tests failed on Kubernetes $old_k8s (component logs: /tmp/fencedlease-cluster-compat/logs)"
 fi
 # The history test runs on a local Kubernetes of its own (its nemesis restarts the API server
 # and etcd), after the shared cluster's tests: first its checker's tables, then a fenced run
@@ -72,7 +74,6 @@ log "history checker tables"
 python3 -m unittest discover -s hack/history -p 'test_*.py'
 seed="${FL_HISTORY_SEED:-$RANDOM}"
 hist_s="${FL_HISTORY_DURATION:-60}"
-# The history runs use the current release (the rest of the suite still pins 1.20.2, above).
 hist_k8s="${FL_HISTORY_K8S_VERSION:-$FL_K8S_DEFAULT_VERSION}"
 log "history test (fault injection) on Kubernetes $hist_k8s, seed $seed: hack/history.sh --duration $hist_s --seed $seed"
 if ! FL_K8S_VERSION=$hist_k8s hack/history.sh --duration "$hist_s" --seed "$seed"; then

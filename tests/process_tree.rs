@@ -367,10 +367,14 @@ async fn cut_off_from_the_api_server_the_tree_is_killed_before_validity_ends() {
         ms(valid_until - sigkill),
         ms(valid_until - t_ns(&gone)),
     );
+    // The claim (README): SIGKILL by the end of validity. The kernel then needs a moment to
+    // take the processes down; validity ends 0.6 s before the 3 s lease could expire for anyone
+    // else, so half of that bounds the moment without touching safety (a loaded CI machine
+    // once took the tree down ~0 ms after validity with SIGKILL on time).
     assert!(sigkill <= valid_until, "SIGKILL after validity ended");
     assert!(
-        t_ns(&gone) <= valid_until,
-        "the tree was not gone when validity ended ({:.0} ms late)",
+        t_ns(&gone) <= valid_until + 300_000_000,
+        "the tree was not gone 300 ms after validity ended ({:.0} ms after)",
         ms(t_ns(&gone) - valid_until)
     );
     // SIGTERM came the grace (0.5 s) before SIGKILL, give or take a timer's lateness.
