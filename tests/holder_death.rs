@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::procs::{campaign, controller, now_ns, scratch_dir, Proc};
-use common::{client, ensure_crd, eventually, TestNamespace};
+use common::{client, ensure_crd, eventually, k8s_events, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
@@ -145,7 +145,7 @@ impl World {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let events = events(&self.client, &self.ns.name).await;
+        let events = k8s_events(&self.client, &self.ns.name).await;
         let revoked: Vec<_> = events.iter().filter(|e| is_revocation(e)).collect();
         assert!(revoked.is_empty(), "{why}: {revoked:?}");
     }
@@ -173,7 +173,7 @@ impl World {
     /// An Event with `reason`, waited for.
     async fn event(&self, reason: &str) -> Event {
         eventually(Duration::from_secs(5), reason, || async {
-            let evs = events(&self.client, &self.ns.name).await;
+            let evs = k8s_events(&self.client, &self.ns.name).await;
             evs.into_iter()
                 .find(|e| e.reason.as_deref() == Some(reason))
         })
@@ -237,15 +237,6 @@ fn container_status(state: serde_json::Value) -> serde_json::Value {
         "name": fencedlease::webhook::inject::CONTAINER, "ready": true, "restartCount": 1,
         "image": "fencedlease", "imageID": "", "state": state
     }]})
-}
-
-async fn events(client: &Client, ns: &str) -> Vec<Event> {
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    events
-        .list(&Default::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
 }
 
 fn is_revocation(e: &Event) -> bool {
@@ -383,7 +374,7 @@ async fn a_pod_being_deleted_gracefully_is_left_to_its_sidecar() {
     w.holder.signal(Signal::SIGTERM);
     w.event("Released").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let evs = events(&w.client, &w.ns.name).await;
+    let evs = k8s_events(&w.client, &w.ns.name).await;
     let revoked: Vec<_> = evs.iter().filter(|e| is_revocation(e)).collect();
     assert!(revoked.is_empty(), "{revoked:?}");
     w.pods
@@ -441,7 +432,7 @@ async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let evs = events(&w.client, &w.ns.name).await;
+    let evs = k8s_events(&w.client, &w.ns.name).await;
     let gone = evs
         .iter()
         .filter(|e| e.reason.as_deref() == Some("HolderPodGone"))

@@ -1693,6 +1693,64 @@ async fn a_native_sidecar_starts_before_the_app_and_stops_after_it() {
     );
 }
 
+/// Issue 17 on a real node: the leader's sidecar container is killed (SIGKILL, through
+/// containerd, as an OOM kill would). The kubelet reports it terminated and restarts it; the
+/// controller, seeing the campaigning container stopped after it acquired, revokes the lease at
+/// once, so a new token is issued before the lease could have run out. (The Event is what tells
+/// the two apart: expiry alone gave a new token 4.0 s after the kill when this test ran with
+/// `revokeOnHolderDeath: false`, inside the 5 s lease, since the last renewal came before it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_leader_sidecar_is_revoked_before_its_lease_runs_out() {
+    let w = Injected::start("node-death").await;
+    let socket = containerd_socket(&ready_node(&w.client).await);
+    let (leader, _, lease) = w.steady(Duration::from_secs(120)).await;
+    let (old, old_token) = (name_of(&leader), lease.token().expect("token"));
+    let t0 = Instant::now();
+    ctr(
+        &socket,
+        &[
+            "tasks",
+            "kill",
+            "--signal",
+            "SIGKILL",
+            &container_id(&leader, "fencedlease"),
+        ],
+    );
+    let (holder, token) = poll(
+        Duration::from_secs(30),
+        "a new token for the lease after the leader's sidecar was killed",
+        || async {
+            let l = w.leases().get(LEASE).await.map_err(|e| e.to_string())?;
+            let (h, t) = (l.holder().map(str::to_string), l.token());
+            match (&h, t) {
+                (Some(h), Some(t)) if t > old_token => Ok((h.clone(), t)),
+                _ => Err(format!("holder {h:?} token {t:?}")),
+            }
+        },
+    )
+    .await;
+    let took = t0.elapsed();
+    let revocations: Vec<String> = common::k8s_events(&w.client, &w.ns.name)
+        .await
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .filter(|r| r.starts_with("HolderContainer"))
+        .collect();
+    println!(
+        "killed {old}'s sidecar (token {old_token}): token {token} held by {holder} after {}; events {revocations:?}",
+        ms(took)
+    );
+    assert!(
+        !revocations.is_empty(),
+        "the controller recorded no HolderContainerTerminated/Restarted Event: the new token \
+         came from the lease running out, not from the confirmed death"
+    );
+    assert!(
+        took < Duration::from_secs(LEASE_SECONDS),
+        "a new token only after {took:?}, not before the {LEASE_SECONDS} s lease ran out"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_is_replaced_and_its_stale_write_is_refused_after_it_thaws() {
     let w = Injected::start("node-freeze").await;

@@ -131,13 +131,8 @@ fn controller_as(dir: &Path, ns: &str, kubeconfig: &str) -> Proc {
 }
 
 async fn events_with_reason(client: &Client, ns: &str, reason: &str) -> Vec<Event> {
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    events
-        .list(&Default::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .into_iter()
+    let all = common::k8s_events(client, ns).await;
+    all.into_iter()
         .filter(|e| e.reason.as_deref() == Some(reason))
         .collect()
 }

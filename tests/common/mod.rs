@@ -168,6 +168,15 @@ pub async fn wait_service_account(client: &Client, ns: &str, name: &str) {
     .await;
 }
 
+/// The Kubernetes Events (events.k8s.io/v1) of a namespace, empty when they cannot be listed.
+pub async fn k8s_events(client: &Client, ns: &str) -> Vec<k8s_openapi::api::events::v1::Event> {
+    Api::namespaced(client.clone(), ns)
+        .list(&Default::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+}
+
 /// The API server's minor version (20 for v1.20.2, 37 for v1.37.2).
 pub async fn server_minor(client: &Client) -> u32 {
     let v = client
