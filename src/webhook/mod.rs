@@ -437,31 +437,66 @@ impl Shared {
 
 async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
-    // The guard keeps the body's bytes counted in the shared budget until the decision is made.
-    let (review, label) = match server::read_body_bounded(body, &s.budget).await {
-        Err(e) => (e.review(), "invalid"),
-        Ok((bytes, _guard)) => s.validate_body(&bytes).await,
+    // The guard keeps the body's bytes counted in the shared budget until the answer is sent.
+    let (answer, label) = match server::read_body_bounded(body, &s.budget).await {
+        Err(e) => (review_response(&e.review()), "invalid"),
+        Ok((bytes, guard)) => {
+            let (review, label) = s.validate_body(&bytes).await;
+            drop(bytes);
+            (guarded_response(&review, guard, &s.budget).await, label)
+        }
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
     s.metrics
         .admissions
         .get_or_create(&ResultLabel { result: label })
         .inc();
-    review_response(&review)
+    answer
 }
 
 async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
-    let (review, label) = match server::read_body_bounded(body, &s.budget).await {
-        Err(e) => (e.review(), "invalid"),
-        Ok((bytes, _guard)) => inject::review(&bytes, &s.inject),
+    let (answer, label) = match server::read_body_bounded(body, &s.budget).await {
+        Err(e) => (review_response(&e.review()), "invalid"),
+        Ok((bytes, guard)) => {
+            let (review, label) = inject::review(&bytes, &s.inject);
+            drop(bytes);
+            (guarded_response(&review, guard, &s.budget).await, label)
+        }
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
     s.metrics
         .injections
         .get_or_create(&ResultLabel { result: label })
         .inc();
-    review_response(&review)
+    answer
+}
+
+/// The answer to a read body, counted in the byte budget until sent
+/// ([`server::answer_within`]); the budget's refusal instead when the answer cannot get it.
+async fn guarded_response(
+    review: &AdmissionReview<DynamicObject>,
+    guard: server::BudgetGuard,
+    budget: &server::BodyBudget,
+) -> Response {
+    let Ok(bytes) = serde_json::to_vec(review) else {
+        return review_response(review);
+    };
+    match server::answer_within(bytes, guard, budget).await {
+        Ok(body) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            Body::new(body),
+        )
+            .into_response(),
+        Err(e) => {
+            let mut refusal = e.review();
+            if let (Some(r), Some(req)) = (refusal.response.as_mut(), review.response.as_ref()) {
+                r.uid.clone_from(&req.uid);
+            }
+            review_response(&refusal)
+        }
+    }
 }
 
 async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {

@@ -56,9 +56,11 @@ pub const HEADROOM_BYTES: usize = 16 * MIB;
 const TLS_STATE_BYTES: usize = 160 * KIB;
 /// HTTP/2 framing per connection: read and write frame buffers, HPACK tables.
 const CODEC_BYTES: usize = 64 * KIB;
-/// One answer in flight: an AdmissionReview response. A /mutate patch for an ordinary pod is
-/// ~7 KiB of answer, ~1.4 KB more for each container beyond two; the largest, for a pod of
-/// [`super::inject::MAX_APP_CONTAINERS`] containers, is ~350 KB, which this does not cover.
+/// One answer in flight beyond the byte budget: an AdmissionReview response is built before
+/// its size is known. Once built, it takes from the budget what its request's body did not
+/// ([`answer_within`]) and holds it until sent: a /mutate patch for an ordinary pod is ~7 KiB,
+/// ~1.4 KB more for each container beyond two, ~350 KB for a pod of
+/// [`super::inject::MAX_APP_CONTAINERS`] containers.
 const ANSWER_BYTES: usize = 16 * KIB;
 /// One request's task and service future.
 const TASK_BYTES: usize = 8 * KIB;
@@ -78,8 +80,9 @@ const TASK_BYTES: usize = 8 * KIB;
 /// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
 /// - 32 connections x 928 KiB = 29 MiB;
-/// - request bodies: the 16 MiB budget, and as much again for judging them (the guard of
-///   [`read_body_bounded`] is held until the judgement is done) = 32 MiB. The parsers keep
+/// - request bodies and answers: the 16 MiB budget (an answer larger than its body takes the
+///   difference, [`answer_within`], and holds it until sent), and as much again for judging
+///   bodies (the guard of [`read_body_bounded`] is held until the answer is sent) = 32 MiB. The parsers keep
 ///   to that by building only what they judge and skipping the rest as they read it: one
 ///   8 MiB body, whatever it holds, grows the peak RSS by at most ~12 MiB, the body included
 ///   (`tests/webhook_memory.rs`, `bench/webhook_memory.py`; it was ~100 MiB for tiny labels
@@ -326,14 +329,64 @@ impl Drop for Held {
     }
 }
 
-/// The budget a read body holds; drop it when the judgement of the body is done.
+/// The budget a read body holds; drop it when the judgement of the body is done, or hand it
+/// to the answer ([`answer_within`]).
 #[derive(Debug)]
-pub struct BudgetGuard(Held);
+pub struct BudgetGuard(Vec<Held>);
 
 impl BudgetGuard {
-    /// Bytes of the budget held (the body buffer's capacity).
+    /// Bytes of the budget held (the body buffer's capacity, and what an answer added).
     pub fn bytes(&self) -> usize {
-        self.0.permit.num_permits()
+        self.0.iter().map(|h| h.permit.num_permits()).sum()
+    }
+}
+
+/// The answer to a request whose body holds `guard`: the guard grows to the answer's size
+/// (taking the difference from the budget, waiting as a body would) and stays held until the
+/// answer has been handed to the connection, so that answers count in the byte budget like
+/// bodies. A /mutate answer can be ~25 times its request (a small pod with many containers
+/// gets a patch per container). `Err` when no budget came in time: answer the refusal instead.
+pub async fn answer_within(
+    answer: Vec<u8>,
+    mut guard: BudgetGuard,
+    budget: &BodyBudget,
+) -> Result<GuardedAnswer, BodyError> {
+    let more = answer.len().saturating_sub(guard.bytes());
+    if more > 0 {
+        let held = budget.take(more, Instant::now() + budget.timeout).await?;
+        guard.0.push(held);
+    }
+    Ok(GuardedAnswer {
+        data: Some(Bytes::from(answer)),
+        _guard: guard,
+    })
+}
+
+/// A response body that gives its budget back once it has been sent (or dropped).
+#[derive(Debug)]
+pub struct GuardedAnswer {
+    data: Option<Bytes>,
+    _guard: BudgetGuard,
+}
+
+impl HttpBody for GuardedAnswer {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.data.take().map(|d| Ok(hyper::body::Frame::data(d))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        let n = self.data.as_ref().map_or(0, Bytes::len);
+        hyper::body::SizeHint::with_exact(n as u64)
     }
 }
 
@@ -406,7 +459,7 @@ where
         }
         buf.extend_from_slice(&data);
     }
-    Ok((Bytes::from(buf), BudgetGuard(held)))
+    Ok((Bytes::from(buf), BudgetGuard(vec![held])))
 }
 
 /// Why the server ends a connection.
@@ -1038,5 +1091,54 @@ mod tests {
             "{peak} bytes taken at once, over the 1 MiB budget"
         );
         assert_eq!(ok, 8, "bodies of unknown length wait their turn too");
+    }
+
+    #[tokio::test]
+    async fn an_answer_larger_than_its_body_takes_the_difference_until_it_is_sent() {
+        let budget = BodyBudget::new(
+            &limits(MIB, 512 * KIB, Duration::from_millis(200)),
+            &ServerMetrics::default(),
+        );
+        let (_, guard) = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget)
+            .await
+            .expect("read");
+        assert_eq!(budget.available(), MIB - KIB);
+        // A 350 KiB patch for a 1 KiB pod: the answer holds its own size, not the body's.
+        let answer = answer_within(vec![b'x'; 350 * KIB], guard, &budget)
+            .await
+            .expect("budget for the answer");
+        assert_eq!(budget.available(), MIB - 350 * KIB);
+        let mut body = Box::pin(answer);
+        let frame = body.as_mut().frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().map(|d| d.len()).ok(), Some(350 * KIB));
+        assert!(body.as_mut().frame().await.is_none());
+        drop(body);
+        assert_eq!(budget.available(), MIB, "the answer gave its budget back");
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_cannot_get_budget_in_time_is_refused() {
+        let budget = BodyBudget::new(
+            &limits(MIB, 512 * KIB, Duration::from_millis(200)),
+            &ServerMetrics::default(),
+        );
+        let (_, small) = read_body_bounded(trickle(1, KIB, Duration::ZERO, true), &budget)
+            .await
+            .expect("read");
+        let (_, hog) = read_body_bounded(trickle(1, 512 * KIB, Duration::ZERO, true), &budget)
+            .await
+            .expect("read");
+        let started = Instant::now();
+        let refused = answer_within(vec![b'x'; 600 * KIB], small, &budget).await;
+        assert!(
+            matches!(refused, Err(BodyError::NoBudget { .. })),
+            "{refused:?}"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "it waited its turn first"
+        );
+        drop(hog);
+        assert_eq!(budget.available(), MIB, "nothing is kept after a refusal");
     }
 }
