@@ -86,7 +86,7 @@ else
     cargo build --benches --message-format=json
 fi
 # Private copies: other builds may replace target/ while the benchmarks run.
-cp "target/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
+cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
 bench_exe() { # NAME: the bench executable that the build above produced
   python3 -c '
 import json, sys
