@@ -69,7 +69,7 @@ def main() -> None:
     for sc, title in (("kill", "crash (SIGKILL of the holder)"),
                       ("stop", "pause (SIGSTOP of the holder past the lease)"),
                       ("term", "graceful handover (SIGTERM of the holder)"),
-                      ("podgone", "known death (SIGKILL of the holder and force-deletion of its pod)")):
+                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)")):
         d = load(run, f"failover-{sc}")
         if not d:
             continue
