@@ -17,7 +17,8 @@
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (about 40 minutes).
+#   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
+#   failover-podgone).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
