@@ -1,4 +1,5 @@
-"""Failover benchmarks (issue 9, items 1-3): SIGKILL, SIGSTOP past the lease, SIGTERM.
+"""Failover benchmarks (issue 9, items 1-3): SIGKILL, SIGSTOP past the lease, SIGTERM; and
+(issue 17) SIGKILL of the holder together with the force-deletion of its pod ("podgone").
 
 Each system runs in several independent *lanes* at once (a lane = one lease and its candidates),
 fencedlease lanes and client-go lanes side by side in the same run, so both see the same load.
@@ -14,6 +15,15 @@ Measured per trial (seconds):
   the lease, read min(1 s, lease/4) after the signal so that a renewal already in flight is
   included, + the lease duration): how long after the earliest moment the protocol allows;
 - first_write (fencedlease): signal -> the next leader's first accepted (HTTP 200) fenced write.
+
+podgone: every candidate's identity is the name of a Pod created for it before it starts (stored,
+never run: the bench cluster has no node; for fencedlease annotated `fencedlease.io/lease: <lease>`,
+as the injected sidecar's pod is), and a `fencedlease controller` watches the namespace. Once the
+holder's pod carries the leader label (the controller's pod index has it), the event is: SIGKILL of
+the holder's process group and, at once, the force-deletion (grace 0) of its pod; the signal time
+is the start of that DELETE. client-go lanes get the same event (their pods have no annotation:
+client-go knows nothing of pods). A third system, fencedlease-opted-out, runs the same lanes on
+leases with `spec.revokeOnHolderDeath: false`: the same event without the early revocation.
 """
 
 from __future__ import annotations
@@ -27,9 +37,23 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
-from systems import OURS, SYSTEMS, holder_of, object_path, peer_timings, renew_time, start_candidate
+from systems import (OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, holder_of, is_ours, object_path,
+                     peer_timings, renew_time, start_candidate)
 
-SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM,
+           "podgone": signal.SIGKILL}
+PREFIX = {OURS: "fl", PEER_NAME: "cg", OURS_OPT_OUT: "fo"}
+ROLE_LABEL = "fencedlease.io/role"
+
+
+def pod_body(name: str, lease: str | None) -> dict:
+    """A Pod named like a candidate's identity. Nothing runs it (no node); for fencedlease lanes
+    it names the lease and the container that campaigns, as a `campaign` user's pod would."""
+    ann = {"fencedlease.io/lease": lease, "fencedlease.io/campaign-container": "campaign"} if lease else {}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"fencedlease.io/bench": "podgone"}, "annotations": ann},
+            "spec": {"automountServiceAccountToken": False,
+                     "containers": [{"name": "campaign", "image": "fencedlease-bench:never-run"}]}}
 
 
 class Lane(threading.Thread):
@@ -38,7 +62,7 @@ class Lane(threading.Thread):
         super().__init__(daemon=True)
         self.system, self.idx, self.scenario, self.args = system, idx, scenario, args
         self.ns = ns
-        self.lease = f"{'fl' if system == OURS else 'cg'}-{idx}"
+        self.lease = f"{PREFIX[system]}-{idx}"
         self.cm = f"cm-{self.lease}"
         self.dir = workdir / self.lease
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +81,9 @@ class Lane(threading.Thread):
                 lib.stop_all([p])
             self.gen += 1
             ident = f"{self.lease}-c{i}-g{self.gen}"
+            if self.scenario == "podgone":
+                self.kube.request("POST", f"/api/v1/namespaces/{self.ns}/pods",
+                                  pod_body(ident, self.lease if is_ours(self.system) else None))
             self.slots[i] = start_candidate(
                 self.system, name=ident, ns=self.ns, lease=self.lease, identity=ident,
                 lease_s=self.args.lease, kubeconfig=lib.kubeconfig(), logdir=self.dir / "logs",
@@ -76,7 +103,20 @@ class Lane(threading.Thread):
         return [w for w in lib.read_jsonl(self.dir / "writes.jsonl")
                 if w.get("identity") == identity and w.get("t_ns", 0) > after_ns]
 
+    def pod_path(self, name: str) -> str:
+        return f"/api/v1/namespaces/{self.ns}/pods/{name}"
+
+    def delete_pod(self, name: str) -> None:
+        """Force-deletion: grace period 0, the pod object is gone at once."""
+        self.kube.request("DELETE", self.pod_path(name), {"gracePeriodSeconds": 0}, ok=(200, 404))
+
+    def leader_labelled(self, name: str) -> bool:
+        pod = self.kube.get_opt(self.pod_path(name)) or {}
+        return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "leader"
+
     def restart_lane(self) -> None:
+        # podgone: the stopped candidates' pods stay (a lease still held by one is waited out),
+        # so that the controller's early revocations are those of the trials alone.
         lib.stop_all([p for p in self.slots if p is not None])
         self.slots = [None] * self.args.candidates
 
@@ -87,26 +127,46 @@ class Lane(threading.Thread):
         lead = lib.wait_until(lambda: (ls := self.leaders()) and len(ls) == 1 and ls[0],
                               3 * L + 30, f"{self.lease}: one leader")
         holder, ev = lead
+        if self.scenario == "podgone" and is_ours(self.system):
+            # The controller's pod index has the holder's pod (it put the leader label on it); a
+            # pod deleted before the index listed it would leave no trace of its death.
+            lib.wait_until(lambda: self.leader_labelled(holder.name), 15,
+                           f"{self.lease}: the leader label on {holder.name}", interval=0.05)
         # Every candidate up for at least 1.5 s (it has seen the lease), then a random phase.
         youngest = max(p.started_ns for p in self.slots if p is not None)
         wait = max(0.0, 1.5 - (now_ns() - youngest) / 1e9)
-        renew_every = L / 3 if self.system == OURS else peer_timings(L)[2]
+        renew_every = L / 3 if is_ours(self.system) else peer_timings(L)[2]
         time.sleep(wait + 0.5 + random.uniform(0, max(L / 3, peer_timings(L)[2])))
         if not holder.alive() or self.leaders() != [(holder, ev)]:
             raise RuntimeError("the leader changed before the signal")
         sig = SIGNALS[self.scenario]
-        t_sig = now_ns()
-        if self.scenario == "term":
-            holder.signal(sig)  # campaign / the peer handle SIGTERM themselves
-        else:
+        extra: dict = {}
+        if self.scenario == "podgone":
+            # The holder dies with its pod: its processes are killed, and its pod is force-deleted
+            # at once. Timed from the DELETE (what the controller can learn of), sent right after
+            # the SIGKILL (which no one observes).
+            t_kill = now_ns()
             holder.signal_group(sig)
+            t_sig = now_ns()
+            self.delete_pod(holder.name)
+            extra = {"t_kill_ns": t_kill, "delete_roundtrip_s": (now_ns() - t_sig) / 1e9}
+        else:
+            t_sig = now_ns()
+            if self.scenario == "term":
+                holder.signal(sig)  # campaign / the peer handle SIGTERM themselves
+            else:
+                holder.signal_group(sig)
         rec: dict = {"system": self.system, "scenario": self.scenario, "lane": self.lease,
                      "trial": n, "lease_s": L, "renew_or_retry_s": renew_every,
-                     "old_leader": holder.name, "t_signal_ns": t_sig}
-        if self.scenario in ("kill", "stop"):
+                     "old_leader": holder.name, "t_signal_ns": t_sig, **extra}
+        if "token" in ev:
+            rec["old_token"] = ev["token"]
+        if self.scenario in ("kill", "stop", "podgone"):
             # The holder's last renewal as stored. Read a little later than the signal: a renewal
             # the holder had already sent may still land (a slow write under load), and the
-            # candidates count from it. Nobody can take over this early (the lease is longer).
+            # candidates count from it. Nobody can take over this early by the lease (it is
+            # longer); after a pod's deletion fencedlease's controller may have revoked it already,
+            # and then there is no lateness to compute (the next leader did not wait for expiry).
             time.sleep(min(1.0, L / 4))
             obj = self.kube.get_opt(object_path(self.system, self.ns, self.lease))
             if holder_of(self.system, obj) == holder.name:
@@ -137,7 +197,11 @@ class Lane(threading.Thread):
             rec["lateness_s"] = (e["t_ns"] - rec["last_renew_ns"]) / 1e9 - L
         if "token" in e:
             rec["token"] = e["token"]
-        if self.system == OURS:
+            if "old_token" in rec:
+                # 1: the next leader took the lease over from the old holder; 2: someone (the
+                # controller) revoked it first, and the next leader acquired it free.
+                rec["token_step"] = e["token"] - rec["old_token"]
+        if is_ours(self.system):
             try:
                 w = lib.wait_until(lambda: [x for x in self.writes_after(p.name, t_sig)
                                             if x.get("code") == 200], 15, "the fenced write")
@@ -178,9 +242,9 @@ class Lane(threading.Thread):
         self.restart_lane()
 
 
-def summarize(results: list[dict]) -> dict:
+def summarize(results: list[dict], systems=SYSTEMS) -> dict:
     out = {}
-    for system in SYSTEMS:
+    for system in systems:
         rs = [r for r in results if r["system"] == system and "failover_s" in r]
         s = {"trials_ok": len(rs),
              "trials_failed": len([r for r in results if r["system"] == system and "error" in r]),
@@ -193,10 +257,44 @@ def summarize(results: list[dict]) -> dict:
             s["first_write_s"] = stats(fw)
             s["write_roundtrip_s"] = stats([r["write_roundtrip_s"] for r in rs
                                             if r.get("write_roundtrip_s") is not None])
-        if system == OURS:
+        if is_ours(system):
             s["writes_missing"] = len([r for r in rs if r.get("first_write_s") is None])
+            steps = [r["token_step"] for r in rs if "token_step" in r]
+            if steps:
+                s["token_steps"] = {str(k): steps.count(k) for k in sorted(set(steps))}
         out[system] = s
     return out
+
+
+def start_controller(ns: str, workdir: Path) -> tuple[lib.Proc, int]:
+    """`fencedlease controller` for the namespace (its election lease there too), once active."""
+    mport = lib.free_port()
+    p = lib.Proc(f"controller-{ns}", [str(lib.FENCEDLEASE), "controller", "--namespace", ns,
+                                      "--election-namespace", ns, "--identity", "bench-controller",
+                                      "--metrics-addr", f"127.0.0.1:{mport}"],
+                 workdir / "logs", env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "info"})
+
+    def active() -> bool:
+        if not p.alive():
+            raise RuntimeError(f"the controller exited; see {p.logfile}")
+        try:
+            text = lib.http_get(mport, "/metrics")
+        except OSError:
+            return False
+        return lib.metric_values(text, "fencedlease_controller_leading").get("", 0) == 1
+
+    lib.wait_until(active, 60, "the controller to be active", interval=0.2)
+    return p, mport
+
+
+def create_leases(kube: Kube, ns: str, lanes_cfg: list[tuple[str, int]], lease_s: int) -> None:
+    """podgone: the FencedLeases, created before their candidates, opted out where the lane says."""
+    for s, i in lanes_cfg:
+        if is_ours(s):
+            kube.request("POST", lib.fl_path(ns), {
+                "apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
+                "metadata": {"name": f"{PREFIX[s]}-{i}"},
+                "spec": {"leaseDurationSeconds": lease_s, "revokeOnHolderDeath": s != OURS_OPT_OUT}})
 
 
 def main() -> None:
@@ -208,8 +306,13 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=3)
     ap.add_argument("--stop-extra", type=float, default=3.0,
                     help="SIGSTOP lasts the lease plus this many seconds")
+    ap.add_argument("--no-opt-out", action="store_true",
+                    help="podgone: leave out the lanes whose leases have revokeOnHolderDeath: false")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    systems = SYSTEMS
+    if args.scenario == "podgone" and not args.no_opt_out:
+        systems = (*SYSTEMS, OURS_OPT_OUT)
 
     kube = Kube()
     lib.install_crd()
@@ -218,18 +321,27 @@ def main() -> None:
     workdir = lib.WORK / ns
     step(f"failover/{args.scenario}: {args.lanes} lane(s) per system x {args.trials} trial(s), "
          f"{args.candidates} candidates per lane, lease {args.lease} s, namespace {ns}")
-    lanes_cfg = [(s, i) for i in range(args.lanes) for s in SYSTEMS]
+    lanes_cfg = [(s, i) for i in range(args.lanes) for s in systems]
     # The protected ConfigMaps (created before the webhook is registered), then the webhook.
     for s, i in lanes_cfg:
-        if s == OURS:
+        if is_ours(s):
+            lease = f"{PREFIX[s]}-{i}"
             kube.request("POST", f"/api/v1/namespaces/{ns}/configmaps", {
                 "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": f"cm-fl-{i}", "labels": {"fencedlease.io/lease": f"fl-{i}"}},
+                "metadata": {"name": f"cm-{lease}", "labels": {"fencedlease.io/lease": lease}},
                 "data": {"writer": ""}})
     wh, port, _, bundle = lib.start_webhook(f"webhook-{ns}", workdir / "logs", workdir / "certs")
     wh_name = f"fencedlease-bench-{ns}"
     lib.register_webhook(kube, wh_name, port, bundle, ns)
     lib.wait_webhook_effective(kube, ns)
+    ctl = None
+    if args.scenario == "podgone":
+        create_leases(kube, ns, lanes_cfg, args.lease)
+        # The ServiceAccount admission plugin refuses pods until the namespace's default
+        # ServiceAccount exists (the pods mount no token, so its token Secret is not needed).
+        lib.wait_until(lambda: kube.get_opt(f"/api/v1/namespaces/{ns}/serviceaccounts/default"), 30,
+                       "the namespace's default ServiceAccount", interval=0.2)
+        ctl, ctl_port = start_controller(ns, workdir)
 
     results: list[dict] = []
     lock = threading.Lock()
@@ -245,7 +357,7 @@ def main() -> None:
             done = len(results)
             if done != last and (done % max(1, total // 10) == 0 or done == total):
                 ok = [r for r in results if "failover_s" in r]
-                by = {s: [r["failover_s"] for r in ok if r["system"] == s] for s in SYSTEMS}
+                by = {s: [r["failover_s"] for r in ok if r["system"] == s] for s in systems}
                 med = {s: (f"{lib.pct(v, 50):.3f}s" if v else "-") for s, v in by.items()}
                 log(f"failover/{args.scenario}: {done}/{total} trials, median so far {med}")
                 last = done
@@ -253,6 +365,16 @@ def main() -> None:
                  f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{wh_name}",
                  ok=(200, 404))
     lib.stop_all([wh])
+    controller = None
+    if ctl is not None:
+        # What the controller did: one revoked_holder_dead per fencedlease trial that got as far
+        # as the deletion, and none for the opted-out leases.
+        alive = ctl.alive()
+        events = {}
+        if alive:
+            events = lib.metric_values(lib.http_get(ctl_port, "/metrics"), "fencedlease_lease_events_total")
+        controller = {"alive_at_end": alive, "lease_events": events, "log": str(ctl.logfile)}
+        lib.stop_all([ctl])
     out = {
         "benchmark": f"failover-{args.scenario}",
         "config": {"lease_s": args.lease, "lanes_per_system": args.lanes, "trials_per_lane": args.trials,
@@ -261,9 +383,11 @@ def main() -> None:
                                               peer_timings(args.lease))),
                    "ours_timings_s": {"lease": args.lease, "renew_interval": args.lease / 3,
                                       "safety_margin": min(max(args.lease / 5, 0.05), 2.0)},
-                   "stop_extra_s": args.stop_extra if args.scenario == "stop" else None},
+                   "stop_extra_s": args.stop_extra if args.scenario == "stop" else None,
+                   "systems": list(systems)},
         "wall_s": time.monotonic() - started,
-        "summary": summarize(results),
+        "controller": controller,
+        "summary": summarize(results, systems),
         "trials": sorted(results, key=lambda r: (r["system"], r["lane"], r["trial"])),
     }
     lib.write_result(args.out, f"failover-{args.scenario}", out)
@@ -275,6 +399,8 @@ def main() -> None:
         else:
             log(f"failover/{args.scenario} {s}: no successful trial")
     bad = [s for s, v in out["summary"].items() if not v["failover_s"].get("n")]
+    if controller is not None and not controller["alive_at_end"]:
+        raise SystemExit(f"failover/{args.scenario}: the controller exited during the run; see {ctl.logfile}")
     if bad:
         raise SystemExit(f"failover/{args.scenario}: no successful trial for {bad}")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from plots import ecdf_svg
 
 OURS, PEER = "fencedlease", "client-go"
+OPT_OUT = "fencedlease-opted-out"
+LABEL = {OPT_OUT: "fencedlease, revokeOnHolderDeath: false"}
 
 
 def load(run: Path, name: str) -> dict | None:
@@ -66,52 +68,75 @@ def main() -> None:
     summary["failover"] = {}
     for sc, title in (("kill", "crash (SIGKILL of the holder)"),
                       ("stop", "pause (SIGSTOP of the holder past the lease)"),
-                      ("term", "graceful handover (SIGTERM of the holder)")):
+                      ("term", "graceful handover (SIGTERM of the holder)"),
+                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)")):
         d = load(run, f"failover-{sc}")
         if not d:
             continue
         L = d["config"]["lease_s"]
         s = d["summary"]
+        systems = d["config"].get("systems") or [OURS, PEER]
         row: dict = {"lease_s": L, "config": d["config"]}
-        for system in (OURS, PEER):
+        for system in systems:
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
                            for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
             row[system]["trials_failed"] = v.get("trials_failed")
-            if system == OURS:
+            if system != PEER:
                 row[system]["writes_missing"] = v.get("writes_missing")
+        if d.get("controller"):
+            row["controller"] = d["controller"]
         fo_o, fo_p = s[OURS]["failover_s"], s[PEER]["failover_s"]
         row["ratio_peer_over_ours"] = {q: ratio(fo_p.get(q), fo_o.get(q)) for q in ("p50", "p99")}
         if sc != "term":
             row["above_lease_s"] = {sy: {q: r3(s[sy]["failover_s"][q] - L) for q in ("p50", "p99", "max")}
-                                    for sy in (OURS, PEER) if s[sy]["failover_s"].get("n")}
+                                    for sy in systems if s[sy]["failover_s"].get("n")}
         summary["failover"][sc] = row
-        series = {sy: [t["failover_s"] for t in d["trials"] if t["system"] == sy and "failover_s" in t]
-                  for sy in (OURS, PEER)}
+        series = {LABEL.get(sy, sy): [t["failover_s"] for t in d["trials"]
+                                      if t["system"] == sy and "failover_s" in t]
+                  for sy in systems}
         vl = [(L, f"lease {L} s")] if sc != "term" else []
-        svg = ecdf_svg(series, title=f"Failover after {title}, lease {L} s",
-                       xlabel="seconds from the signal to the next leader's 'leading' event",
+        xlabel = ("seconds from the pod's deletion to the next leader's 'leading' event" if sc == "podgone"
+                  else "seconds from the signal to the next leader's 'leading' event")
+        svg = ecdf_svg(series, title=f"Failover after {title}, lease {L} s", xlabel=xlabel,
                        log_x=(sc == "term"), vlines=vl)
         (plots / f"failover-{sc}.svg").write_text(svg)
         if sc != "term":
-            late = {sy: [t["lateness_s"] for t in d["trials"] if t["system"] == sy
-                         and t.get("lateness_s") is not None] for sy in (OURS, PEER)}
+            late = {LABEL.get(sy, sy): [t["lateness_s"] for t in d["trials"] if t["system"] == sy
+                                        and t.get("lateness_s") is not None] for sy in systems}
+            late = {k: v for k, v in late.items() if v}
             (plots / f"lateness-{sc}.svg").write_text(ecdf_svg(
                 late, title=f"After {sc}: next leader minus (last renewal + lease)",
                 xlabel="seconds past the earliest takeover the lease allows", vlines=[(0, "expiry")]))
         md.append(f"\n### Failover: {title}\n\nLease {L} s; {d['config']['lanes_per_system']} lanes per "
                   f"system x {d['config']['trials_per_lane']} trials, {d['config']['candidates_per_lane']} "
                   f"candidates per lane. Seconds.\n")
+        c = row.get("controller")
+        if c:
+            ev = {k.split('"')[1]: int(v) for k, v in c["lease_events"].items() if '"' in k}
+            md.append(f"A `fencedlease controller` watched the namespace (alive at the end: "
+                      f"{'yes' if c['alive_at_end'] else 'NO'}); the lease events it counted: "
+                      + (", ".join(f"{k} {v}" for k, v in sorted(ev.items())) or "none")
+                      + " (revoked_holder_dead: early revocations after a known death; revoked: "
+                      "expired leases, which it revokes as the opted-out lanes' candidates take them over).")
+            steps = {LABEL.get(sy, sy): s[sy]["token_steps"] for sy in systems if s[sy].get("token_steps")}
+            if steps:
+                md.append("Token step from the old holder to the next leader (1: taken over from the "
+                          "holder; 2: revoked first, then acquired), trials per step: "
+                          + "; ".join(f"{k}: " + ", ".join(f"+{st} in {n}" for st, n in v.items())
+                                      for k, v in steps.items()) + ".")
+            md.append("")
+        sig = "deletion" if sc == "podgone" else "signal"
         md.append("| measure | system | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
-        for k, label in (("failover_s", "signal -> next leader"),
+        for k, label in (("failover_s", f"{sig} -> next leader"),
                          ("lateness_s", "next leader - (last renewal + lease)"),
-                         ("first_write_s", "signal -> first accepted fenced write")):
-            for sy in (OURS, PEER):
+                         ("first_write_s", f"{sig} -> first accepted fenced write")):
+            for sy in systems:
                 v = row[sy].get(k)
                 if v and v.get("n"):
-                    md.append(f"| {label} | {sy} | {v['n']} | {v['p50']:.3f} | {v['p90']:.3f} | "
+                    md.append(f"| {label} | {LABEL.get(sy, sy)} | {v['n']} | {v['p50']:.3f} | {v['p90']:.3f} | "
                               f"{v['p99']:.3f} | {v['max']:.3f} |")
-        md.append(f"| ratio client-go / fencedlease (signal -> leader) | | | "
+        md.append(f"| ratio client-go / fencedlease ({sig} -> leader) | | | "
                   f"{row['ratio_peer_over_ours']['p50']} | | {row['ratio_peer_over_ours']['p99']} | |")
         if sc in ("kill", "stop") and fo_o.get("n"):
             met = fo_o["p99"] <= L + 0.25
@@ -123,6 +148,13 @@ def main() -> None:
                         + (" (within 250 ms at p99)" if lo["p99"] <= 0.25 else " (NOT within 250 ms at p99)"))
             verdict(f"{'crash' if sc == 'kill' else 'pause'} failover <= lease + 250 ms at p99",
                     met, f"p99 {fo_o['p99']:.3f} s for a {L} s lease (client-go {fo_p.get('p99', 0):.3f} s)", note)
+        if sc == "podgone" and fo_o.get("n"):
+            oo = s.get(OPT_OUT, {}).get("failover_s", {})
+            verdict(f"known death (pod deleted): next leader p99 < 1 s after the deletion, {L} s lease",
+                    fo_o["p99"] < 1.0,
+                    f"p99 {fo_o['p99'] * 1000:.0f} ms, p50 {fo_o['p50'] * 1000:.0f} ms, max "
+                    f"{fo_o['max'] * 1000:.0f} ms (client-go p99 {fo_p.get('p99', 0):.2f} s"
+                    + (f"; revokeOnHolderDeath: false p99 {oo['p99']:.2f} s" if oo.get("n") else "") + ")")
         if sc == "term" and fo_o.get("n"):
             verdict("graceful handover p50 < 100 ms", fo_o["p50"] < 0.1,
                     f"p50 {fo_o['p50'] * 1000:.1f} ms, p99 {fo_o['p99'] * 1000:.1f} ms "

@@ -8,13 +8,17 @@
 #   failover-kill      SIGKILL of the holder: time to the next leader and its first fenced write
 #   failover-stop      SIGSTOP of the holder for longer than the lease
 #   failover-term      SIGTERM of the holder: graceful handover
+#   failover-podgone   SIGKILL of the holder and force-deletion of its pod (a known death, issue 17),
+#                      with the controller running: time from the deletion to the next leader;
+#                      also fencedlease with revokeOnHolderDeath: false
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (about 40 minutes).
+#   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
+#   failover-podgone).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
@@ -46,7 +50,8 @@ for a in "$@"; do
     *) NAMES+=("$a") ;;
   esac
 done
-ALL=(decision failover-kill failover-stop failover-term apiload webhook-server webhook-apiserver controller-scale)
+ALL=(decision failover-kill failover-stop failover-term failover-podgone apiload webhook-server webhook-apiserver
+  controller-scale)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -86,7 +91,7 @@ else
     cargo build --benches --message-format=json
 fi
 # Private copies: other builds may replace target/ while the benchmarks run.
-cp "target/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
+cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
 bench_exe() { # NAME: the bench executable that the build above produced
   python3 -c '
 import json, sys
@@ -148,6 +153,7 @@ if [ "$MODE" = full ]; then
   CRIT=(--warm-up-time 1 --measurement-time 4)
   FAIL=(--lease 15 --lanes 8 --trials 12)
   TERM_=(--lease 15 --lanes 8 --trials 25)
+  GONE=(--lease 15 --lanes 5 --trials 20)
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
@@ -156,6 +162,7 @@ else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
   FAIL=(--lease 3 --lanes 1 --trials 2)
   TERM_=(--lease 3 --lanes 1 --trials 3)
+  GONE=(--lease 3 --lanes 1 --trials 2)
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
   WHA=(--updates 50 --updates-warmup 10)
@@ -189,6 +196,7 @@ for n in "${NAMES[@]}"; do
     failover-kill) bench "$n" python3 failover.py kill "${FAIL[@]}" --out "$OUT" ;;
     failover-stop) bench "$n" python3 failover.py stop "${FAIL[@]}" --out "$OUT" ;;
     failover-term) bench "$n" python3 failover.py term "${TERM_[@]}" --out "$OUT" ;;
+    failover-podgone) bench "$n" python3 failover.py podgone "${GONE[@]}" --out "$OUT" ;;
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;

@@ -1,5 +1,8 @@
 """The two systems under test, started the same way: `fencedlease campaign` and the client-go
 peer (bench/build-peer.sh). Both write JSON lines {t_ns, identity, event} on leadership changes.
+
+OURS_OPT_OUT is fencedlease again, on leases with `spec.revokeOnHolderDeath: false` (the
+failover-podgone benchmark's control: the same event without the controller's early revocation).
 """
 
 from __future__ import annotations
@@ -11,6 +14,12 @@ from lib import API_PORT, FENCEDLEASE, PEER, BENCH, Proc, admin_token, ca_file, 
 OURS = "fencedlease"
 PEER_NAME = "client-go"
 SYSTEMS = (OURS, PEER_NAME)
+OURS_OPT_OUT = "fencedlease-opted-out"
+
+
+def is_ours(system: str) -> bool:
+    """Whether `system` runs `fencedlease campaign` on a FencedLease (else the client-go peer)."""
+    return system in (OURS, OURS_OPT_OUT)
 
 
 def peer_timings(lease_s: float) -> tuple[float, float, float]:
@@ -22,7 +31,7 @@ def start_candidate(system: str, *, name: str, ns: str, lease: str, identity: st
                     kubeconfig: Path, logdir: Path, events: Path, writes: Path | None = None,
                     cm: str | None = None) -> Proc:
     env = {"KUBECONFIG": str(kubeconfig)}
-    if system == OURS:
+    if is_ours(system):
         if cm and writes:
             cmd = ["sh", str(BENCH / "fenced-write.sh")]
             env.update({"BENCH_CA": str(ca_file()), "BENCH_API_TOKEN": admin_token(),
@@ -44,14 +53,14 @@ def start_candidate(system: str, *, name: str, ns: str, lease: str, identity: st
 
 
 def object_path(system: str, ns: str, lease: str) -> str:
-    return fl_path(ns, lease) if system == OURS else lease_path(ns, lease)
+    return fl_path(ns, lease) if is_ours(system) else lease_path(ns, lease)
 
 
 def renew_time(system: str, obj: dict | None) -> str | None:
     """The holder's last renewal as it wrote it (both set it just before sending the write)."""
     if not obj:
         return None
-    if system == OURS:
+    if is_ours(system):
         return (obj.get("status") or {}).get("renewTime")
     return (obj.get("spec") or {}).get("renewTime")
 
@@ -59,6 +68,4 @@ def renew_time(system: str, obj: dict | None) -> str | None:
 def holder_of(system: str, obj: dict | None) -> str | None:
     if not obj:
         return None
-    if system == OURS:
-        return (obj.get("spec") or {}).get("holderIdentity") or None
     return (obj.get("spec") or {}).get("holderIdentity") or None
