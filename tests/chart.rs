@@ -693,7 +693,7 @@ fn rendered_objects_follow_the_design() {
 #[test]
 fn wrong_values_fail_with_a_schema_error() {
     let c = chart();
-    let cases: [(&[&str], &str); 13] = [
+    let cases: [(&[&str], &str); 15] = [
         (&["--set", "replicas=two"], "/replicas"),
         (&["--set", "replicas=0"], "/replicas"),
         (
@@ -742,6 +742,22 @@ fn wrong_values_fail_with_a_schema_error() {
                 r#"workloads=[{"namespace":"shop","leases":["x"]}]"#,
             ],
             "/workloads/0",
+        ),
+        // Exemptions the webhook refuses to start with; from 1.30 the API server would apply
+        // them itself (matchConditions), so the chart refuses them first.
+        (
+            &[
+                "--set-json",
+                r#"fencing.exemptUsers=["system:serviceaccount:shop:app"]"#,
+            ],
+            "/fencing/exemptUsers/0",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"fencing.exemptGroups=["system:serviceaccounts:shop"]"#,
+            ],
+            "/fencing/exemptGroups/0",
         ),
     ];
     for (extra, path) in cases {
