@@ -221,8 +221,12 @@ def kubectl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def install_crd() -> None:
-    kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=fencedlease-bench",
-            "-f", str(REPO / "crds/fencedleases.fencedlease.io.yaml"))
+    # The CRD the server takes: with validation rules from Kubernetes 1.25, without before.
+    crd = subprocess.run([str(FENCEDLEASE), "crd", "--for-server"], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, KUBECONFIG=str(kubeconfig()))).stdout
+    subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig()), "apply", "--server-side",
+                    "--force-conflicts", "--field-manager=fencedlease-bench", "-f", "-"],
+                   input=crd, capture_output=True, text=True, check=True)
     kubectl("wait", "--for=condition=Established", "--timeout=60s",
             "crd/fencedleases.fencedlease.io")
 

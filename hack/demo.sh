@@ -44,8 +44,10 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 t0=$(date +%s%N)
 stamp() { printf '+%6.2fs' "$(echo "($(date +%s%N) - $t0) / 1000000000" | bc -l)"; }
 
-say "1. kubectl apply -f crds/"
-kubectl apply -f crds/
+# crds/ from Kubernetes 1.25 (it has CEL validation rules), crds/pre-1.25/ before:
+# `fencedlease crd --for-server` prints the one the server takes.
+say "1. fencedlease crd --for-server | kubectl apply -f -"
+"$bin" crd --for-server | kubectl apply -f -
 kubectl wait --for=condition=Established --timeout=60s crd/fencedleases.fencedlease.io >/dev/null
 kubectl delete namespace "$ns" --ignore-not-found --wait=true >/dev/null
 kubectl create namespace "$ns" >/dev/null

@@ -15,6 +15,25 @@ pub const DEFAULT_LEASE_DURATION_SECONDS: i32 = 15;
 pub const MIN_LEASE_DURATION_SECONDS: i32 = 1;
 pub const MAX_LEASE_DURATION_SECONDS: i32 = 3600;
 
+/// CEL validation rules of the CRD (`x-kubernetes-validations`), as (rule, message): the API
+/// server enforces them from Kubernetes 1.25 (GA in 1.29), and the CRD for older servers
+/// ([`crate::crdgen`]) leaves them out. Every writer of the product keeps them: the holder
+/// writes `holderIdentity`, `token` and `leaseDurationSeconds` together with every renewal, the
+/// controller clears the three together when the lease is free, and only the holder changes
+/// `leaseTransitions`, by adding one when it takes over.
+pub const STATUS_HOLDER_AND_TOKEN_TOGETHER: (&str, &str) = (
+    "has(self.holderIdentity) == has(self.token)",
+    "status.holderIdentity and status.token must be set together: the token is the named holder's",
+);
+pub const STATUS_DURATION_NEEDS_HOLDER: (&str, &str) = (
+    "!has(self.leaseDurationSeconds) || has(self.holderIdentity)",
+    "status.leaseDurationSeconds needs status.holderIdentity: it is the duration that holder renewed under",
+);
+pub const TRANSITIONS_NEVER_DECREASE: (&str, &str) = (
+    "self >= oldSelf",
+    "status.leaseTransitions counts changes of holder and never decreases",
+);
+
 fn default_lease_duration_seconds() -> i32 {
     DEFAULT_LEASE_DURATION_SECONDS
 }
@@ -56,7 +75,7 @@ pub struct FencedLeaseSpec {
     /// reaches the holder with its next renewal; until then everyone waits for the longer of
     /// the new duration and the one the holder renewed under (status.leaseDurationSeconds).
     #[serde(default = "default_lease_duration_seconds")]
-    #[schemars(range(min = 1, max = 3600))]
+    #[schemars(range(min = MIN_LEASE_DURATION_SECONDS, max = MAX_LEASE_DURATION_SECONDS))]
     pub lease_duration_seconds: i32,
 
     /// Identity of a candidate that should hold the lease. When set to someone other than the
@@ -93,9 +112,15 @@ impl FencedLeaseSpec {
 }
 
 /// The observed state of a FencedLease, kept by the holder (renewals) and by the controller
-/// (conditions, expiry, transitions).
+/// (conditions, expiry, transitions). `holderIdentity` and `token` are set together (the holder
+/// writes both with every renewal; the controller clears both, and `leaseDurationSeconds`, when
+/// the lease is free); servers from Kubernetes 1.25 refuse a status that breaks this.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": STATUS_HOLDER_AND_TOKEN_TOGETHER.0, "message": STATUS_HOLDER_AND_TOKEN_TOGETHER.1},
+    {"rule": STATUS_DURATION_NEEDS_HOLDER.0, "message": STATUS_DURATION_NEEDS_HOLDER.1},
+]))]
 pub struct FencedLeaseStatus {
     /// The holder that `token` belongs to. Written by the holder when it acquires and renews.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -122,7 +147,7 @@ pub struct FencedLeaseStatus {
     /// `spec.leaseDurationSeconds`: a shorter spec takes effect with the holder's next renewal,
     /// a longer one makes the others wait longer at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 3600))]
+    #[schemars(range(min = MIN_LEASE_DURATION_SECONDS, max = MAX_LEASE_DURATION_SECONDS))]
     pub lease_duration_seconds: Option<i32>,
 
     /// When the lease expires unless renewed, as the controller observes it (the controller's
@@ -130,8 +155,12 @@ pub struct FencedLeaseStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expiry_time: Option<Time>,
 
-    /// How many times the lease has changed hands.
+    /// How many times the lease has changed hands. It never decreases (servers from Kubernetes
+    /// 1.25 refuse a status write that lowers it).
     #[serde(default)]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": TRANSITIONS_NEVER_DECREASE.0, "message": TRANSITIONS_NEVER_DECREASE.1},
+    ]))]
     pub lease_transitions: i64,
 
     /// The metadata.generation this status was last reconciled against.

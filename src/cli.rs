@@ -2,6 +2,7 @@
 
 use std::io::Write;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 /// Leader election for Kubernetes workloads with fencing tokens the protected resource enforces.
@@ -14,8 +15,17 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Print the FencedLease CustomResourceDefinition as YAML (what `crds/` holds).
-    Crd,
+    /// Print the FencedLease CustomResourceDefinition as YAML: by default the one with CEL
+    /// validation rules, for Kubernetes 1.25 and later (what `crds/` holds).
+    Crd {
+        /// The CRD without validation rules, for servers before 1.25 (what `crds/pre-1.25/`
+        /// holds).
+        #[arg(long, conflicts_with = "for_server")]
+        without_validation_rules: bool,
+        /// Ask the API server in the kubeconfig for its version and print the CRD it takes.
+        #[arg(long)]
+        for_server: bool,
+    },
     /// Run a command only while this process holds a FencedLease, with the fencing token in
     /// FENCEDLEASE_TOKEN; stop it as soon as leadership is lost; release when it exits.
     Campaign(crate::campaign::CampaignArgs),
@@ -40,8 +50,27 @@ pub enum Command {
 /// Runs the chosen subcommand.
 pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
-        Command::Crd => {
-            let yaml = crate::crdgen::crd_yaml()?;
+        Command::Crd {
+            without_validation_rules,
+            for_server,
+        } => {
+            let with_rules = if for_server {
+                let client = kube::Client::try_default()
+                    .await
+                    .context("connecting to Kubernetes (set KUBECONFIG)")?;
+                let v = client
+                    .apiserver_version()
+                    .await
+                    .context("asking the API server for its version")?;
+                crate::crdgen::version_takes_rules(&v.major, &v.minor)
+            } else {
+                !without_validation_rules
+            };
+            let yaml = if with_rules {
+                crate::crdgen::crd_yaml()?
+            } else {
+                crate::crdgen::crd_yaml_without_rules()?
+            };
             std::io::stdout().lock().write_all(yaml.as_bytes())?;
             Ok(std::process::ExitCode::SUCCESS)
         }

@@ -42,8 +42,11 @@ pub struct SidecarArgs {
     #[arg(long, env = "FENCEDLEASE_LISTEN", default_value = "127.0.0.1:8787")]
     pub listen: SocketAddr,
     /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
-    #[arg(long, env = "FENCEDLEASE_LEASE_DURATION", default_value_t = 15,
-          value_parser = clap::value_parser!(i32).range(1..=3600))]
+    #[arg(long, env = "FENCEDLEASE_LEASE_DURATION",
+          default_value_t = crate::api::DEFAULT_LEASE_DURATION_SECONDS,
+          value_parser = clap::value_parser!(i32).range(
+              i64::from(crate::api::MIN_LEASE_DURATION_SECONDS)
+                  ..=i64::from(crate::api::MAX_LEASE_DURATION_SECONDS)))]
     pub lease_duration: i32,
     /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
     /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.

@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::helm::{
@@ -201,24 +200,24 @@ fn rendering_is_byte_stable_and_the_chart_crd_is_the_generated_one() {
         copy.display(),
         top.display()
     );
-    // And nothing else in either folder.
-    let names = |dir: PathBuf| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-            .map(|e| {
-                e.expect("dir entry")
-                    .file_name()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
-        v.sort();
-        v
-    };
+    // The chart holds that one file and nothing else: Helm installs every file under its
+    // crds/, subfolders included, so the CRD for servers before 1.25 must stay outside it (Helm
+    // cannot choose a CRD by the server's version; users there apply crds/pre-1.25/ and install
+    // with --skip-crds).
+    let mut held: Vec<String> = std::fs::read_dir(chart_dir().join("crds"))
+        .expect("the chart's crds/")
+        .map(|e| {
+            e.expect("dir entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    held.sort();
     assert_eq!(
-        names(common::repo_root().join("crds")),
-        names(chart_dir().join("crds")),
-        "the chart's crds/ must hold exactly the top-level crds/"
+        held,
+        ["fencedleases.fencedlease.io.yaml"],
+        "the chart's crds/ must hold exactly the top-level CRD file"
     );
 }
 
@@ -694,7 +693,7 @@ fn rendered_objects_follow_the_design() {
 #[test]
 fn wrong_values_fail_with_a_schema_error() {
     let c = chart();
-    let cases: [(&[&str], &str); 13] = [
+    let cases: [(&[&str], &str); 15] = [
         (&["--set", "replicas=two"], "/replicas"),
         (&["--set", "replicas=0"], "/replicas"),
         (
@@ -743,6 +742,22 @@ fn wrong_values_fail_with_a_schema_error() {
                 r#"workloads=[{"namespace":"shop","leases":["x"]}]"#,
             ],
             "/workloads/0",
+        ),
+        // Exemptions the webhook refuses to start with; from 1.30 the API server would apply
+        // them itself (matchConditions), so the chart refuses them first.
+        (
+            &[
+                "--set-json",
+                r#"fencing.exemptUsers=["system:serviceaccount:shop:app"]"#,
+            ],
+            "/fencing/exemptUsers/0",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"fencing.exemptGroups=["system:serviceaccounts:shop"]"#,
+            ],
+            "/fencing/exemptGroups/0",
         ),
     ];
     for (extra, path) in cases {
@@ -831,9 +846,10 @@ async fn every_rendered_object_is_accepted_by_the_server() {
             "networkPolicy.enabled=true,metrics.serviceMonitor.enabled=true",
         ],
     );
-    let crd = chart_dir().join(CRD_FILE);
+    // The chart's CRD from 1.25; before, the one users apply there instead (crds/pre-1.25/).
+    let crd = common::crd_file();
     rendered.push_str("\n---\n");
-    rendered.push_str(&std::fs::read_to_string(&crd).expect("the chart's CRD file"));
+    rendered.push_str(&std::fs::read_to_string(&crd).expect("the CRD file"));
     let docs = documents(&rendered);
     // One budget per Deployment with more than one replica, and only where policy/v1 is served.
     let replicated = find(&docs, "Deployment")
@@ -890,10 +906,14 @@ async fn every_rendered_object_is_accepted_by_the_server() {
         "kubectl applied a different number of objects than rendered:\n{applied}"
     );
 
-    // cert-manager mode: everything but cert-manager's own kinds (not installed here).
+    // cert-manager mode: everything but cert-manager's own kinds (not installed here), rendered
+    // for the server's version (without --dry-run=server, Helm assumes a current one).
+    let kube_version = format!("1.{}.0", common::server_minor(&client).await);
     let rendered = release.run(
         "template",
         &[
+            "--kube-version",
+            &kube_version,
             "--api-versions",
             "cert-manager.io/v1",
             "--set",

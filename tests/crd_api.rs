@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec, FencedLeaseStatus};
+use fencedlease::crdgen;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams};
-use kube::{Api, Client, CustomResourceExt};
+use kube::{Api, Client};
 
 const CRD_NAME: &str = "fencedleases.fencedlease.io";
 
@@ -29,7 +30,13 @@ fn raw_lease(name: &str, spec: serde_json::Value) -> DynamicObject {
 #[tokio::test]
 async fn crd_installs_with_kubectl_apply_and_server_side_apply_and_is_established() {
     let client = client().await;
-    let crd_dir = common::repo_root().join("crds/");
+    let minor = common::server_minor(&client).await;
+    let with_rules = crdgen::server_takes_rules(minor);
+    // crds/ from 1.25, crds/pre-1.25/ before, as the README tells users.
+    let crd_dir = common::crd_file()
+        .parent()
+        .expect("the CRD file's folder")
+        .to_path_buf();
     let crd_dir = crd_dir.to_str().expect("utf-8 path");
     // Client-side apply of the whole folder, as the README tells users. Another test binary
     // may be installing the same cluster-wide CRD at this moment: a create that loses that race
@@ -41,22 +48,48 @@ async fn crd_installs_with_kubectl_apply_and_server_side_apply_and_is_establishe
         }
         (ok, out, err) = kubectl(&["apply", "-f", crd_dir]);
     }
-    assert!(ok, "kubectl apply -f crds/ failed: {err}");
+    assert!(ok, "kubectl apply -f {crd_dir} failed: {err}");
     assert!(out.contains(CRD_NAME), "{out}");
     // kubectl's server-side apply of the committed file, as the upgrade section says.
     let (ok, _, err) = kubectl(&["apply", "--server-side", "--force-conflicts", "-f", crd_dir]);
-    assert!(ok, "kubectl apply --server-side -f crds/ failed: {err}");
+    assert!(ok, "kubectl apply --server-side -f {crd_dir} failed: {err}");
     // Server-side apply from the Rust types, as an operator would do it.
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let generated = if with_rules {
+        crdgen::crd()
+    } else {
+        crdgen::crd_without_rules()
+    };
     let applied = crds
         .patch(
             CRD_NAME,
             &PatchParams::apply("fencedlease-test-ssa").force(),
-            &Patch::Apply(FencedLease::crd()),
+            &Patch::Apply(generated),
         )
         .await
-        .expect("server-side apply of the generated CRD must work on the 1.20 server");
+        .unwrap_or_else(|e| panic!("server-side apply of the generated CRD on 1.{minor}: {e}"));
     assert_eq!(applied.spec.names.short_names, Some(vec!["flease".into()]));
+    let stored = serde_json::to_string(&applied).expect("CRD JSON");
+    assert_eq!(
+        stored.contains(crdgen::RULES_KEY),
+        with_rules,
+        "the installed CRD carries validation rules exactly from 1.25"
+    );
+    if !with_rules {
+        // Why old servers get a CRD of their own: kubectl refuses the one with rules there.
+        let top = common::repo_root().join("crds/");
+        let (ok, _, err) = kubectl(&[
+            "apply",
+            "--dry-run=server",
+            "-f",
+            top.to_str().expect("utf-8"),
+        ]);
+        assert!(
+            !ok && err.contains(crdgen::RULES_KEY),
+            "kubectl apply -f crds/ on 1.{minor} should be refused for {}: {err}",
+            crdgen::RULES_KEY
+        );
+    }
     eventually(
         Duration::from_secs(30),
         "the CRD to be Established",

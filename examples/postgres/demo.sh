@@ -46,7 +46,8 @@ runuser -u postgres -- "$pgbin/pg_ctl" -D "$work/data" -l "$work/postgres.log" -
   -o "-k $work -p $port -c listen_addresses=127.0.0.1" start >/dev/null
 psql -Xq -f "$here/schema.sql"
 
-kubectl apply -f "$repo/crds" >/dev/null
+# The CRD the server takes: crds/ from Kubernetes 1.25 (validation rules), crds/pre-1.25/ before.
+"$bin" crd --for-server | kubectl apply -f - >/dev/null
 kubectl create namespace pg-demo >/dev/null
 kubectl -n pg-demo apply -f - >/dev/null <<'YAML'
 apiVersion: fencedlease.io/v1alpha1

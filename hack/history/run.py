@@ -257,10 +257,13 @@ class Run:
         # hack/history.sh can find what a crashed run left without trusting old pids.
         self.env = dict(os.environ, KUBECONFIG=self.a.kubeconfig, RUST_LOG="info,kube=warn",
                         FL_HISTORY_RUN=os.path.abspath(self.out))
-        for argv in (["kubectl", "apply", "-f", os.path.join(REPO, "crds")],
-                     ["kubectl", "wait", "--for=condition=Established", "--timeout=60s",
-                      "crd/fencedleases.fencedlease.io"]):
-            subprocess.run(argv, env=self.env, check=True, capture_output=True)
+        # The CRD the server takes: with validation rules from Kubernetes 1.25, without before.
+        crd = subprocess.run([self.a.bin, "crd", "--for-server"], env=self.env, check=True,
+                             capture_output=True, text=True).stdout
+        subprocess.run(["kubectl", "apply", "-f", "-"], input=crd, env=self.env, check=True,
+                       capture_output=True, text=True)
+        subprocess.run(["kubectl", "wait", "--for=condition=Established", "--timeout=60s",
+                        "crd/fencedleases.fencedlease.io"], env=self.env, check=True, capture_output=True)
         self.kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS, "labels": {"fencedlease.io/history": NS}}})
         self.objects()
         self.network()

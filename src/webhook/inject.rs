@@ -284,13 +284,17 @@ fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, String> {
             "fencedlease: annotation {LEASE_ANNOTATION}={lease:?} is not a valid FencedLease name (lowercase letters, digits, '-' and '.')"
         ));
     }
+    use crate::api::{
+        DEFAULT_LEASE_DURATION_SECONDS as DEFAULT, MAX_LEASE_DURATION_SECONDS as MAX,
+        MIN_LEASE_DURATION_SECONDS as MIN,
+    };
     let duration = match annotation(pod, DURATION_ANNOTATION) {
-        None => 15,
+        None => DEFAULT,
         Some(v) => v
             .parse::<i32>()
             .ok()
-            .filter(|d| (1..=3600).contains(d))
-            .ok_or_else(|| format!("fencedlease: annotation {DURATION_ANNOTATION}={v:?} must be a whole number of seconds from 1 to 3600"))?,
+            .filter(|d| (MIN..=MAX).contains(d))
+            .ok_or_else(|| format!("fencedlease: annotation {DURATION_ANNOTATION}={v:?} must be a whole number of seconds from {MIN} to {MAX}"))?,
     };
     let port = match annotation(pod, PORT_ANNOTATION) {
         None => DEFAULT_PORT,

@@ -98,12 +98,35 @@ pub fn kubectl(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-/// Installs the committed CRD once per test binary (server-side apply) and waits until it is
-/// Established. Synchronous, so that it does not depend on any one test's runtime.
+/// The test server's minor version, asked once per test binary with kubectl (for code that is
+/// not async; see [`server_minor`]).
+pub fn server_minor_blocking() -> u32 {
+    static MINOR: OnceLock<u32> = OnceLock::new();
+    *MINOR.get_or_init(|| {
+        let (ok, out, err) = kubectl(&["version", "-o", "json"]);
+        assert!(ok, "{}\n(kubectl version: {err})", how_to_start());
+        let v: serde_json::Value = serde_json::from_str(&out).expect("kubectl version JSON");
+        let minor = v["serverVersion"]["minor"].as_str().unwrap_or_default();
+        minor
+            .trim_end_matches('+')
+            .parse()
+            .unwrap_or_else(|e| panic!("API server minor version {minor:?}: {e}"))
+    })
+}
+
+/// The committed CRD file the test server takes: with validation rules from 1.25, else the one
+/// in crds/pre-1.25/.
+pub fn crd_file() -> PathBuf {
+    repo_root().join(fencedlease::crdgen::crd_path_for(server_minor_blocking()))
+}
+
+/// Installs the committed CRD the server takes ([`crd_file`]) once per test binary
+/// (server-side apply) and waits until it is Established. Synchronous, so that it does not
+/// depend on any one test's runtime.
 pub fn ensure_crd() {
     static DONE: OnceLock<()> = OnceLock::new();
     DONE.get_or_init(|| {
-        let crd = repo_root().join("crds/fencedleases.fencedlease.io.yaml");
+        let crd = crd_file();
         let crd = crd.to_str().expect("utf-8 path");
         let (ok, _, err) = kubectl(&[
             "apply",

@@ -267,3 +267,58 @@ readinessProbe:
   timeoutSeconds: 2
   failureThreshold: 2
 {{- end -}}
+
+{{/*
+The labels and annotations the webhooks read, as src/fencing.rs and src/webhook/inject.rs name
+them (tests/chart.rs checks they agree).
+*/}}
+{{- define "fencedlease.leaseKey" -}}fencedlease.io/lease{{- end -}}
+{{- define "fencedlease.injectKey" -}}fencedlease.io/inject{{- end -}}
+{{- define "fencedlease.stampKeys" -}}
+{{- list "fencedlease.io/token" "fencedlease.io/lease-uid" "fencedlease.io/write-id" | toJson -}}
+{{- end -}}
+
+{{/*
+"true" when the server evaluates matchConditions on webhooks (GA in Kubernetes 1.30). Older
+servers get the webhooks without them, which call the webhook for every request they match.
+*/}}
+{{- define "fencedlease.matchConditions" -}}
+{{- if semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+CEL: the writer is one of fencing.exemptUsers or fencing.exemptGroups (exact names, as the
+webhook's --exempt-user and --exempt-group compare them). Empty when both lists are.
+*/}}
+{{- define "fencedlease.celExemptWriter" -}}
+{{- $f := .Values.fencing -}}
+{{- $any := list -}}
+{{- with $f.exemptUsers -}}
+{{- $any = append $any (printf "request.userInfo.username in %s" (toJson .)) -}}
+{{- end -}}
+{{- with $f.exemptGroups -}}
+{{- $any = append $any (printf "(has(request.userInfo.groups) && request.userInfo.groups.exists(g, g in %s))" (toJson .)) -}}
+{{- end -}}
+{{- if $any -}}({{ join " || " $any }}){{- end -}}
+{{- end -}}
+
+{{/* CEL: the value of label or annotation KEY in map MAP of OBJ ("object" or "oldObject"),
+as a list of none or one: (list OBJ MAP KEY). */}}
+{{- define "fencedlease.celEntry" -}}
+{{- $o := index . 0 -}}{{- $m := index . 1 -}}{{- $k := index . 2 -}}
+(has({{ $o }}.metadata.{{ $m }}) && '{{ $k }}' in {{ $o }}.metadata.{{ $m }} ? [{{ $o }}.metadata.{{ $m }}['{{ $k }}']] : [])
+{{- end -}}
+
+{{/*
+CEL: an update that leaves the fencing label and annotations as they were. The webhook reads an
+empty lease label as none, and tells an absent annotation from an empty one.
+*/}}
+{{- define "fencedlease.celFencingUnchanged" -}}
+{{- $lease := include "fencedlease.leaseKey" . -}}
+{{- $same := list "oldObject != null" -}}
+{{- $same = append $same (printf "%s.filter(v, v != '') == %s.filter(v, v != '')" (include "fencedlease.celEntry" (list "object" "labels" $lease)) (include "fencedlease.celEntry" (list "oldObject" "labels" $lease))) -}}
+{{- range (include "fencedlease.stampKeys" . | fromJsonArray) -}}
+{{- $same = append $same (printf "%s == %s" (include "fencedlease.celEntry" (list "object" "annotations" .)) (include "fencedlease.celEntry" (list "oldObject" "annotations" .))) -}}
+{{- end -}}
+{{ join " && " $same }}
+{{- end -}}
