@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# Builds the benchmarks' kube-apiserver: Kubernetes v1.20.2 from the same source tree as the
-# tests' one (hack/k8s-binaries.sh), with ONE change made at build time through `go build
-# -overlay` (bench/apiserver_patch.py; the tree itself is not edited):
+# Builds the benchmarks' kube-apiserver: the tests' Kubernetes release (hack/k8s-binaries.sh),
+# with ONE change made at build time through `go build -overlay` (bench/apiserver_patch.py; no
+# source is edited):
 #   the bucket boundaries of the admission latency histograms
 #   (apiserver_admission_webhook_admission_duration_seconds and its step/controller siblings)
-#   become 20 us x 1.15^k (85 of them, 20 us to 2.5 s) instead of 5 ms, 25 ms, 100 ms, 0.5 s, 2.5 s.
-# With 1.20's five buckets the API server's own timing of a webhook call says only "under 5 ms";
+#   become 20 us x 1.15^k (85 of them, 20 us to 2.5 s) instead of Kubernetes' own, which start at
+#   5 ms (v1.20.2: 5 ms, 25 ms, 100 ms, 0.5 s, 2.5 s; v1.37.2: the same plus 1 s, and for the
+#   webhook histogram 10 s and 25 s), and the webhook histogram's help text carries a mark.
+# With Kubernetes' buckets the API server's own timing of a webhook call says only "under 5 ms";
 # with these, its p50/p99 can be read as bucket upper bounds at most 15 % above the true value,
 # which the webhook-apiserver benchmark reports as the API server's own timing of each webhook
 # call. Nothing else differs.
+#
+#   bench/build-apiserver.sh [VERSION]     (default: $FL_K8S_VERSION, i.e. the tests' default release)
+#
+# VERSION is one that bench/apiserver_patch.py knows (1.37.2, or 1.20.2):
+#   - 1.20.2: Debian's source tree that hack/k8s-binaries.sh unpacks, built with Kubernetes' make
+#     in GOPATH mode and Debian's Go 1.19, the overlay replacing the vendored file;
+#   - others: from the Go modules, as hack/k8s-binaries.sh builds them (its generated module's
+#     go.mod and go.sum, its flags and version stamps), in a module of our own in the cache,
+#     $FL_CACHE/k8s-VERSION/bench-mod. The go command refuses an overlay of a file in the module
+#     cache, so that module replaces k8s.io/apiserver with an unmodified copy of the published
+#     k8s.io/apiserver v0.MINOR.PATCH next to it (read-only, 15 MB), and the overlay replaces the
+#     one file there.
 #
 # Output: a folder in the setup-envtest layout (etcd, kube-apiserver, kube-controller-manager)
 # that bench/run.sh hands to hack/cluster.sh as KUBEBUILDER_ASSETS. Prints its path.
@@ -16,35 +30,65 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=hack/lib.sh
 source "$HERE/../hack/lib.sh"
-# The benchmarks build from Kubernetes v1.20.2's source tree (Debian's package), which only the
-# legacy build unpacks, and their recorded results are on that release: pin it (exported, so
-# that hack/k8s-binaries.sh builds the same one).
-FL_K8S_VERSION="$FL_K8S_LEGACY_VERSION"
-export FL_K8S_VERSION
+[ $# -le 1 ] || die "usage: $0 [VERSION]"
+FL_K8S_VERSION="${1:-$FL_K8S_VERSION}"
+export FL_K8S_VERSION # hack/k8s-binaries.sh builds the same release
 
-STD_BIN="$("$HERE/../hack/k8s-binaries.sh")" # builds the tree and the standard binaries first
-TREE="$FL_CACHE/k8s-$FL_K8S_VERSION/src/kubernetes"
-OUT_DIR="$FL_CACHE/k8s-$FL_K8S_VERSION/bench-bin"
-REL="staging/src/k8s.io/apiserver/pkg/admission/metrics/metrics.go"
-SRC="$TREE/$REL"
-[ -f "$SRC" ] || die "the Kubernetes v$FL_K8S_VERSION source tree is missing ($TREE): hack/k8s-binaries.sh unpacks it when it builds the control plane, which it skips when KUBEBUILDER_ASSETS is set or $STD_BIN is complete; unset KUBEBUILDER_ASSETS or move that bin folder away and run again"
-
-# Kubernetes' build resolves its own folder (pwd -P) and makes its GOPATH under it: the overlay
-# must name the file by that real path, whatever symlinks the cache folder goes through.
-TREE="$(cd "$TREE" && pwd -P)"
+STD_BIN="$("$HERE/../hack/k8s-binaries.sh" "$FL_K8S_VERSION")" # the standard binaries first
+ROOT="$FL_CACHE/k8s-$FL_K8S_VERSION"
+OUT_DIR="$ROOT/bench-bin"
 WORK="$OUT_DIR/overlay"
-SUB=_output/fencedlease-bench # the build's output (and GOPATH and GOCACHE) inside the tree
 mkdir -p "$WORK"
 MARK='fencedlease bench build: buckets 20us x 1.15^k'
-python3 "$HERE/apiserver_patch.py" "$SRC" "$WORK/metrics.go.new" "$MARK"
-# Kubernetes' build makes its own GOPATH (and GOCACHE) in the output folder, linking
-# k8s.io/kubernetes to the tree; the go command sees the file there, through vendor -> staging.
-printf '{"Replace": {"%s": "%s"}}\n' \
-  "$TREE/$SUB/go/src/k8s.io/kubernetes/vendor/k8s.io/apiserver/pkg/admission/metrics/metrics.go" \
-  "$WORK/metrics.go" >"$WORK/overlay.json.new"
-use_go_for_k8s_1_20
-# What the cached binary was built from, besides those two files: the compiler and the tree.
-{ go version; ls -l --time-style=+%s "$TREE"/../*.dsc 2>/dev/null || true; } >"$WORK/stamp.new"
+MISSING="hack/k8s-binaries.sh prepares it when it builds the control plane, which it skips when KUBEBUILDER_ASSETS is set or $STD_BIN is complete; unset KUBEBUILDER_ASSETS or move that bin folder away and run again"
+
+if [ "$FL_K8S_VERSION" = "$FL_K8S_LEGACY_VERSION" ]; then
+  TREE="$ROOT/src/kubernetes"
+  SRC="$TREE/staging/src/k8s.io/apiserver/pkg/admission/metrics/metrics.go"
+  [ -f "$SRC" ] || die "the Kubernetes v$FL_K8S_VERSION source tree is missing ($TREE): $MISSING"
+  # Kubernetes' build resolves its own folder (pwd -P) and makes its GOPATH under it: the overlay
+  # must name the file by that real path, whatever symlinks the cache folder goes through.
+  TREE="$(cd "$TREE" && pwd -P)"
+  SUB=_output/fencedlease-bench # the build's output (and GOPATH and GOCACHE) inside the tree
+  # Kubernetes' build makes its own GOPATH (and GOCACHE) in the output folder, linking
+  # k8s.io/kubernetes to the tree; the go command sees the file there, through vendor -> staging.
+  TARGET="$TREE/$SUB/go/src/k8s.io/kubernetes/vendor/k8s.io/apiserver/pkg/admission/metrics/metrics.go"
+  use_go_for_k8s_1_20
+  STAMP_FROM=$(ls -l --time-style=+%s "$TREE"/../*.dsc 2>/dev/null || true)
+else
+  KMOD="$ROOT/mod-kubernetes"
+  [ -f "$KMOD/go.sum" ] || die "the generated module of Kubernetes v$FL_K8S_VERSION is missing ($KMOD): $MISSING"
+  # As hack/k8s-binaries.sh builds: its flags, whatever GOFLAGS the environment has.
+  export CGO_ENABLED=0 GOFLAGS="-buildvcs=false -trimpath" GO111MODULE=on
+  minor="${FL_K8S_VERSION#*.}"; minor="${minor%%.*}"
+  APISERVER="k8s.io/apiserver v0.$minor.${FL_K8S_VERSION##*.}"
+  grep -qF "k8s.io/apiserver => $APISERVER" "$KMOD/go.mod" ||
+    die "$KMOD/go.mod does not replace k8s.io/apiserver with $APISERVER, as hack/k8s-binaries.sh generates it"
+  MOD="$ROOT/bench-mod"
+  COPY="$MOD/apiserver-v0.$minor.${FL_K8S_VERSION##*.}"
+  mkdir -p "$MOD"
+  if [ ! -f "$COPY/go.mod" ]; then
+    (cd "$KMOD" && go mod download k8s.io/apiserver)
+    PUBLISHED=$(cd "$KMOD" && go list -m -f '{{.Dir}}' k8s.io/apiserver)
+    [ -f "$PUBLISHED/go.mod" ] || die "cannot find $APISERVER in the module cache ($PUBLISHED)"
+    [ -d "$COPY" ] && chmod -R u+w "$COPY" && rm -rf "$COPY"
+    cp -r "$PUBLISHED" "$COPY.partial"
+    chmod -R a-w "$COPY.partial"
+    mv "$COPY.partial" "$COPY"
+  fi
+  sed "s|k8s.io/apiserver => $APISERVER\$|k8s.io/apiserver => ./$(basename "$COPY")|" "$KMOD/go.mod" |
+    sed "1s|.*|// Generated by bench/build-apiserver.sh from $KMOD/go.mod: k8s.io/apiserver from a copy.|" \
+    >"$MOD/go.mod"
+  grep -qF "k8s.io/apiserver => ./$(basename "$COPY")" "$MOD/go.mod" || die "could not write $MOD/go.mod"
+  cp "$KMOD/go.sum" "$MOD/go.sum"
+  SRC="$COPY/pkg/admission/metrics/metrics.go"
+  TARGET="$SRC"
+  STAMP_FROM=$(cat "$MOD/go.mod" "$MOD/go.sum" | sha256sum)
+fi
+python3 "$HERE/apiserver_patch.py" "$FL_K8S_VERSION" "$SRC" "$WORK/metrics.go.new" "$MARK"
+printf '{"Replace": {"%s": "%s"}}\n' "$TARGET" "$WORK/metrics.go" >"$WORK/overlay.json.new"
+# What the cached binary was built from, besides those two files: the compiler and the sources.
+{ go version; echo "$STAMP_FROM"; } >"$WORK/stamp.new"
 same() { [ -f "$WORK/$1" ] && cmp -s "$WORK/$1" "$WORK/$1.new"; }
 if [ -x "$OUT_DIR/kube-apiserver" ] && same metrics.go && same overlay.json && same stamp; then
   rm -f "$WORK/metrics.go.new" "$WORK/overlay.json.new" "$WORK/stamp.new"
@@ -53,17 +97,32 @@ else
   mv "$WORK/overlay.json.new" "$WORK/overlay.json"
   mv "$WORK/stamp.new" "$WORK/stamp"
   rm -f "$OUT_DIR/kube-apiserver" # not kept if this build fails
-  log "building the benchmarks' kube-apiserver (finer admission latency buckets; a few minutes on 2 cores, cached afterwards)"
-  (
-    cd "$TREE/.go/src/k8s.io/kubernetes"
-    export GOPATH="$TREE/.go" CGO_ENABLED=0 GO111MODULE=off GOFLAGS="-overlay=$WORK/overlay.json"
-    # Its own output folder, so that the standard build's binaries are not replaced.
-    with_heartbeat "go build cmd/kube-apiserver (bench buckets)" "$OUT_DIR/build.log" \
-      make WHAT=cmd/kube-apiserver KUBE_OUTPUT_SUBPATH="$SUB"
-  )
-  grep -qaF "$MARK" "$TREE/$SUB/bin/linux/amd64/kube-apiserver" ||
+  log "building the benchmarks' kube-apiserver v$FL_K8S_VERSION (finer admission latency buckets; a few minutes on 2 cores, cached afterwards)"
+  if [ "$FL_K8S_VERSION" = "$FL_K8S_LEGACY_VERSION" ]; then
+    (
+      cd "$TREE/.go/src/k8s.io/kubernetes"
+      export GOPATH="$TREE/.go" CGO_ENABLED=0 GO111MODULE=off GOFLAGS="-overlay=$WORK/overlay.json"
+      # Its own output folder, so that the standard build's binaries are not replaced.
+      with_heartbeat "go build cmd/kube-apiserver (bench buckets)" "$OUT_DIR/build.log" \
+        with_build_lock make WHAT=cmd/kube-apiserver KUBE_OUTPUT_SUBPATH="$SUB"
+    )
+    BUILT="$TREE/$SUB/bin/linux/amd64/kube-apiserver"
+  else
+    # The version stamps hack/k8s-binaries.sh sets (hack/cluster.sh reads the binary's version).
+    ldflags="-s -w"
+    for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+      ldflags+=" -X $pkg.gitVersion=v$FL_K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+      ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    done
+    BUILT="$OUT_DIR/.kube-apiserver.partial"
+    (cd "$MOD" && with_heartbeat "go build kube-apiserver v$FL_K8S_VERSION (bench buckets)" "$OUT_DIR/build.log" \
+      with_build_lock go build -overlay="$WORK/overlay.json" -ldflags="$ldflags" -o "$BUILT" \
+      k8s.io/kubernetes/cmd/kube-apiserver)
+  fi
+  grep -qaF "$MARK" "$BUILT" ||
     die "the kube-apiserver just built does not carry the bench patch (the overlay did not apply; see $WORK/overlay.json and $OUT_DIR/build.log)"
-  install -m 0755 "$TREE/$SUB/bin/linux/amd64/kube-apiserver" "$OUT_DIR/kube-apiserver"
+  install -m 0755 "$BUILT" "$OUT_DIR/kube-apiserver"
+  rm -f "$OUT_DIR/.kube-apiserver.partial"
   log "benchmarks' kube-apiserver ready: $OUT_DIR/kube-apiserver"
 fi
 ln -sfn "$STD_BIN/etcd" "$OUT_DIR/etcd"

@@ -495,7 +495,8 @@ def machine_info() -> dict[str, Any]:
 
     mem_kib = int(sh("awk '/MemTotal/{print $2}' /proc/meminfo") or 0)
     # The binaries the cluster runs: what bench/run.sh handed hack/cluster.sh, else the default.
-    bins = os.environ.get("KUBEBUILDER_ASSETS") or f"{Path.home()}/.cache/fencedlease/k8s-1.20.2/bin"
+    bins = (os.environ.get("KUBEBUILDER_ASSETS")
+            or f"{Path.home()}/.cache/fencedlease/k8s-{os.environ.get('FL_K8S_VERSION', '1.37.2')}/bin")
     return {
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "nproc": os.cpu_count(),
@@ -512,4 +513,23 @@ def machine_info() -> dict[str, Any]:
         "etcd": sh(f"{bins}/etcd --version | head -1"),
         "fencedlease_commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
         "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src Cargo.toml | wc -l"),
+    }
+
+
+def versions() -> dict[str, Any]:
+    """Which server and which client-go peer this run measures: the running API server's own
+    /version, and the peer's release (bench/build-peer.sh, FL_BENCH_PEER_VERSION) and Go."""
+    v = Kube().request("GET", "/version")
+    release = os.environ.get("FL_BENCH_PEER_VERSION", "")
+    minor, _, patch = release.partition(".")[2].partition(".")
+    built = subprocess.run(["go", "version", str(PEER)], capture_output=True, text=True).stdout.strip()
+    return {
+        "server": f"kube-apiserver {v.get('gitVersion')}",
+        "server_version": v,
+        "kubernetes": (v.get("gitVersion") or "").lstrip("v"),
+        "peer": f"client-go v0.{minor}.{patch} (Kubernetes v{release})" if release else "client-go (unknown release)",
+        "peer_release": release or None,
+        "peer_binary": str(PEER),
+        # `go version BINARY`: the Go release that built the peer.
+        "peer_go": built.rpartition(": ")[2] or None,
     }

@@ -1,7 +1,11 @@
 """Rewrites client-go's leader-election example for the benchmarks (see build-peer.sh).
 
-Usage: peer_patch.py SRC_MAIN_GO OUT_MAIN_GO. Each change is anchored on text of the v1.20.2
-example; if an anchor is missing (another version), it fails instead of guessing.
+Usage: peer_patch.py VERSION SRC_MAIN_GO OUT_MAIN_GO, VERSION the Kubernetes release of the
+example (client-go v0.MINOR.PATCH for 1.MINOR.PATCH). Each change is anchored on the example's
+text; the anchors below were checked against the examples of the releases in KNOWN (v1.37.2's
+example differs from v1.20.2's only in its logging, a never-led check in OnStoppedLeading and an
+atomic flag, none of it anchored on). Another version, or a missing anchor, fails instead of
+guessing.
 """
 
 import sys
@@ -51,12 +55,18 @@ EDITS = [
 ]
 
 
+KNOWN = ("1.20.2", "1.37.2")
+
+
 def main() -> None:
-    src, out = sys.argv[1], sys.argv[2]
+    version, src, out = sys.argv[1:]
+    if version not in KNOWN:
+        sys.exit(f"peer_patch: the example of Kubernetes v{version} was not checked (known: "
+                 f"{', '.join(KNOWN)}); compare it with those and add it to KNOWN")
     text = open(src, encoding="utf-8").read()
     for old, new in EDITS:
         if text.count(old) != 1:
-            sys.exit(f"peer_patch: anchor not found exactly once in {src}: {old!r}")
+            sys.exit(f"peer_patch: anchor not found exactly once in {src} (v{version}): {old!r}")
         text = text.replace(old, new)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)

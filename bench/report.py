@@ -59,10 +59,28 @@ def main() -> None:
             met, note = None, "not judged: quick mode checks only that the commands work"
         verdicts.append({"target": target, "met": met, "measured": ours, "note": note})
 
-    for f in ("machine", "machine-after", "sources"):
+    for f in ("machine", "machine-after", "sources", "versions"):
         d = load(run, f)
         if d:
             summary[f.replace("-", "_")] = d
+    # Which API server and client-go peer each benchmark ran against (a record may fold several
+    # runs; bench/record.py keeps them on one release).
+    src = summary.get("sources")
+    runs = src["runs"] if src else {run.name: {"used_for": None, "versions": summary.get("versions"),
+                                               "machine_before": summary.get("machine")}}
+    summary["versions_by_run"] = {}
+    md.append("### Versions\n\n| run | benchmarks | API server | client-go peer |\n|---|---|---|---|")
+    for name, r in sorted(runs.items()):
+        v = r.get("versions") or {}
+        server = v.get("server") or ("kube-apiserver " + ((r.get("machine_before") or {})
+                                                          .get("kube_apiserver") or "?").removeprefix("Kubernetes "))
+        peer = v.get("peer") or (f"client-go of the same Kubernetes tree "
+                                 f"({server.removeprefix('kube-apiserver ')}; not recorded apart)")
+        if v.get("peer_go"):
+            peer += f", built with {v['peer_go']}"
+        summary["versions_by_run"][name] = {"benchmarks": r.get("used_for"), "server": server, "peer": peer}
+        md.append(f"| {name} | {', '.join(r['used_for']) if r.get('used_for') else 'all it ran'} | "
+                  f"{server} | {peer} |")
 
     # -- failover ----------------------------------------------------------------------------
     summary["failover"] = {}

@@ -22,14 +22,23 @@
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
+# Kubernetes: FL_BENCH_K8S_VERSION (default $FL_K8S_DEFAULT_VERSION of hack/lib.sh, the tests' current
+# release, 1.37.2; 1.20.2, the oldest supported, the release of the first records, is selectable)
+# is both the API server's release and the client-go peer's: client-go's leader-election example of
+# that release (client-go v0.MINOR.PATCH).
+# FL_BUILD_LOCK=FILE: every build it starts (cargo, go) holds that flock first, so that builders
+# sharing a machine take turns (see with_build_lock in hack/lib.sh).
+#
 # It builds what it needs (fencedlease in release mode, the bench binaries, the client-go peer
-# from the Kubernetes source tree, see bench/build-peer.sh; the same kube-apiserver as the tests
-# with finer admission latency buckets, see bench/build-apiserver.sh), starts its OWN local Kubernetes
+# of that release, see bench/build-peer.sh; the same kube-apiserver as the tests' one of that
+# release with finer admission latency buckets, see bench/build-apiserver.sh), starts its OWN local Kubernetes
 # (/tmp/fencedlease-bench-cluster, apiserver on 127.0.0.1:28443: not the tests' instance), and
 # stops it again at the end, with every process it started. Results: bench/results/<mode>-<time>/
-# (one JSON per benchmark, summary.json, tables.md, plots/). A full run in which every benchmark
-# it ran succeeded also folds them into the record, bench/results/full-record/ (bench/record.py:
-# each benchmark from the newest full run that ran it), and refreshes
+# (one JSON per benchmark, summary.json, tables.md, plots/; versions.json and summary.json say
+# which server and peer ran). A full run in which every benchmark it ran succeeded also folds
+# them into the record, bench/results/full-record/ (bench/record.py: each benchmark from the newest
+# full run that ran it, all on one Kubernetes release: a run on another release first moves the
+# record to bench/results/full-record-k8s-<its release>/), and refreshes
 # bench/results/summary-full.json and bench/plots/*.svg from the record.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -60,6 +69,12 @@ if [ "$PROFILE" = debug ] && [ "$MODE" = full ]; then
   die "--debug is for checking that the commands work (CI); the record needs release binaries: drop --debug"
 fi
 
+# The release of the API server and of the client-go peer (hack/cluster.sh and
+# hack/k8s-binaries.sh read FL_K8S_VERSION).
+BENCH_K8S="${FL_BENCH_K8S_VERSION:-$FL_K8S_DEFAULT_VERSION}"
+[[ "$BENCH_K8S" =~ ^1\.[0-9]+\.[0-9]+$ ]] || die "FL_BENCH_K8S_VERSION=$BENCH_K8S: expected a release like $FL_K8S_DEFAULT_VERSION or $FL_K8S_LEGACY_VERSION"
+export FL_K8S_VERSION="$BENCH_K8S"
+
 # Our own cluster instance, never the tests' one.
 export FENCEDLEASE_CLUSTER_DIR="${FL_BENCH_CLUSTER_DIR:-/tmp/fencedlease-bench-cluster}"
 # Ports below Linux's ephemeral range (32768-60999), where an outgoing connection can hold them.
@@ -71,7 +86,7 @@ export KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="$HERE/results/$MODE-$STAMP"
 mkdir -p "$OUT" "$FL_BENCH_CACHE" "$FL_BENCH_WORK"
-log "benchmarks ($MODE, $PROFILE build): ${NAMES[*]}; results in $OUT"
+log "benchmarks ($MODE, $PROFILE build, Kubernetes v$BENCH_K8S, client-go peer of v$BENCH_K8S): ${NAMES[*]}; results in $OUT"
 
 command -v python3 >/dev/null || apt_install python3
 command -v curl >/dev/null || apt_install curl
@@ -80,15 +95,15 @@ command -v taskset >/dev/null || apt_install util-linux
 # -- build ---------------------------------------------------------------------------------------
 cd "$REPO"
 if [ "$PROFILE" = release ]; then
-  with_heartbeat "cargo build --release" "$OUT/build.log" cargo build --release
+  with_heartbeat "cargo build --release" "$OUT/build.log" with_build_lock cargo build --release
   with_heartbeat "cargo bench --no-run" "$OUT/build-benches.log" \
-    cargo bench --no-run --message-format=json
+    with_build_lock cargo bench --no-run --message-format=json
 else
   # Unoptimized: what the test suite built already, so CI pays for no release build. The
   # figures mean nothing; the commands are what is checked.
-  with_heartbeat "cargo build (debug)" "$OUT/build.log" cargo build
+  with_heartbeat "cargo build (debug)" "$OUT/build.log" with_build_lock cargo build
   with_heartbeat "cargo build --benches (debug)" "$OUT/build-benches.log" \
-    cargo build --benches --message-format=json
+    with_build_lock cargo build --benches --message-format=json
 fi
 # Private copies: other builds may replace target/ while the benchmarks run.
 cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
@@ -108,15 +123,17 @@ DECISION=$(bench_exe webhook_decision)
 [ -n "$LOADER" ] && [ -n "$DECISION" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
 cp "$DECISION" "$FL_BENCH_CACHE/webhook_decision"
 cp "$LOADER" "$FL_BENCH_CACHE/webhook_load"
-"$HERE/build-peer.sh" >/dev/null
-# The benchmarks' kube-apiserver: v1.20.2 with finer admission latency buckets, so that the
-# webhook-apiserver benchmark can read the API server's own timing of each webhook call
-# (bench/build-apiserver.sh says what differs: nothing else).
+# The peer: client-go's leader-election example of the same release (bench/build-peer.sh).
+FL_BENCH_PEER="$("$HERE/build-peer.sh" "$BENCH_K8S")"
+export FL_BENCH_PEER FL_BENCH_PEER_VERSION="$BENCH_K8S"
+# The benchmarks' kube-apiserver: the tests' one of that release with finer admission latency
+# buckets, so that the webhook-apiserver benchmark can read the API server's own timing of each
+# webhook call (bench/build-apiserver.sh says what differs: nothing else).
 WHA_EXPECT=()
 if [ -n "${KUBEBUILDER_ASSETS:-}" ]; then
-  log "KUBEBUILDER_ASSETS is set: its kube-apiserver runs the benchmarks; its webhook latency histogram has Kubernetes' default buckets (from 5 ms), so webhook-apiserver reports the API server's timing only as an upper bound"
+  log "KUBEBUILDER_ASSETS is set: its kube-apiserver runs the benchmarks (whatever its release; the peer is client-go of v$BENCH_K8S); its webhook latency histogram has Kubernetes' default buckets (from 5 ms), so webhook-apiserver reports the API server's timing only as an upper bound"
 else
-  KUBEBUILDER_ASSETS="$("$HERE/build-apiserver.sh")"
+  KUBEBUILDER_ASSETS="$("$HERE/build-apiserver.sh" "$BENCH_K8S")"
   export KUBEBUILDER_ASSETS
   WHA_EXPECT=(--expect-fine-buckets)
 fi
@@ -146,7 +163,11 @@ trap 'exit 130' INT TERM
 
 python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
   "$HERE" >"$OUT/machine.json"
+# Which server and peer ran: the running API server's /version and the peer's build.
+python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.versions(), indent=1))' \
+  "$HERE" >"$OUT/versions.json"
 log "machine: $(nproc) cores, load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+log "versions: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["server"], "/", d["peer"])' "$OUT/versions.json")"
 
 # -- the benchmarks -------------------------------------------------------------------------------
 if [ "$MODE" = full ]; then
@@ -218,7 +239,7 @@ if [ "$MODE" = full ]; then
   # The record: each benchmark from the newest full run that ran it (a run of a few benchmarks
   # replaces only theirs).
   RECORD="$HERE/results/full-record"
-  python3 "$HERE/record.py" "$OUT" "${NAMES[@]}" --record "$RECORD" \
+  python3 "$HERE/record.py" "$OUT" "${NAMES[@]}" --record "$RECORD" --kubernetes "$BENCH_K8S" --plots "$HERE/plots" \
     --command "bench/run.sh --full ${NAMES[*]}" >&2
   python3 "$HERE/report.py" "$RECORD" --plots "$HERE/plots" --criterion "$RECORD/criterion" \
     >"$OUT/record-report.log"

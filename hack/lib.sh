@@ -68,3 +68,14 @@ binary_minor() {
   [ -n "$v" ] || die "$1 --version does not say 'Kubernetes v1.N...' (it says: $("$1" --version 2>&1 | head -n1)); a build without version stamps? remove its folder and rerun hack/k8s-binaries.sh"
   echo "$v"
 }
+
+# with_build_lock CMD...: run CMD, holding the lock file $FL_BUILD_LOCK (flock) if it is set, so that
+# on a machine shared by several builders (say FL_BUILD_LOCK=/tmp/fl-build.lock) one build runs at a
+# time. The benchmarks' builds (cargo, go) go through it; unset, CMD just runs.
+with_build_lock() {
+  if [ -n "${FL_BUILD_LOCK:-}" ]; then
+    flock "$FL_BUILD_LOCK" "$@"
+  else
+    "$@"
+  fi
+}
