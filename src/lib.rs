@@ -16,6 +16,7 @@ pub mod holder;
 pub mod lease;
 pub mod metrics;
 pub mod pods;
+pub mod policy;
 pub mod proxy;
 pub mod sidecar;
 pub mod webhook;
