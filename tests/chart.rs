@@ -1462,7 +1462,7 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
                 .to_string();
             for u in fencedlease::fencing::DEFAULT_EXEMPT_USERS {
                 assert!(
-                    exempt.contains(&format!("'{u}'")),
+                    exempt.contains(&format!("\"{u}\"")),
                     "{u} not exempt: {exempt}"
                 );
             }
