@@ -472,7 +472,7 @@ impl<'a> LeaseReconcile<'a> {
     async fn revoke(&self, cause: Cause, lease_duration: Duration) -> Result<Next, Error> {
         let old = self.lease.spec.holder_identity.clone();
         let revoked = match crate::lease::revoke(&self.api, self.lease).await? {
-            Revocation::Revoked(revoked) => revoked,
+            Revocation::Revoked(revoked) => *revoked,
             // The lease changed meanwhile (a renewal came in): look again with fresh data.
             Revocation::Raced => return Ok(Next::Requeue(REVOKE_RACE_RETRY)),
         };

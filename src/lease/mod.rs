@@ -12,7 +12,7 @@ use crate::api::FencedLease;
 #[derive(Debug)]
 pub enum Revocation {
     /// The holder was cleared: the lease as written, with the next token (generation).
-    Revoked(FencedLease),
+    Revoked(Box<FencedLease>),
     /// The lease changed since it was read (a renewal came in, or it is gone): nothing was
     /// written; read it again and decide again.
     Raced,
@@ -32,7 +32,7 @@ pub async fn revoke(
         .replace(&lease.name_any(), &PostParams::default(), &desired)
         .await
     {
-        Ok(revoked) => Ok(Revocation::Revoked(revoked)),
+        Ok(revoked) => Ok(Revocation::Revoked(Box::new(revoked))),
         Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(Revocation::Raced),
         Err(e) => Err(e),
     }
