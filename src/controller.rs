@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -28,8 +28,9 @@ use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConf
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, Mono, Observation,
 };
+use crate::lease::Revocation;
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
-use crate::pods::{lease_of, pod_state, PodIndex, ROLE_LABEL};
+use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE, ROLE_LABEL};
 
 pub const FIELD_MANAGER: &str = "fencedlease-controller";
 
@@ -469,20 +470,11 @@ impl<'a> LeaseReconcile<'a> {
     /// resourceVersion precondition), so the token moves on and a paused holder is fenced off
     /// even if no candidate is waiting.
     async fn revoke(&self, cause: Cause, lease_duration: Duration) -> Result<Next, Error> {
-        let mut desired = self.lease.clone();
-        let old = desired.spec.holder_identity.take();
-        let name = self.lease.name_any();
-        let revoked = match self
-            .api
-            .replace(&name, &PostParams::default(), &desired)
-            .await
-        {
-            Ok(revoked) => revoked,
+        let old = self.lease.spec.holder_identity.clone();
+        let revoked = match crate::lease::revoke(&self.api, self.lease).await? {
+            Revocation::Revoked(revoked) => *revoked,
             // The lease changed meanwhile (a renewal came in): look again with fresh data.
-            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-                return Ok(Next::Requeue(REVOKE_RACE_RETRY))
-            }
-            Err(e) => return Err(e.into()),
+            Revocation::Raced => return Ok(Next::Requeue(REVOKE_RACE_RETRY)),
         };
         let holder = old.as_deref().unwrap_or("the holder");
         let token = revoked.token().unwrap_or_default();
@@ -696,7 +688,7 @@ async fn move_leader_label(
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     // The old holders' label comes off first.
     let changes = plan.unlabel.iter().map(|name| (name, None));
-    for (name, value) in changes.chain(plan.label.iter().map(|name| (name, Some("leader")))) {
+    for (name, value) in changes.chain(plan.label.iter().map(|name| (name, Some(LEADER_ROLE)))) {
         let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: value}}});
         match pods
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
