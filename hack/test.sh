@@ -41,7 +41,7 @@ cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commi
 log "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
-if ! cargo test --all-targets -- "$@"; then
+if ! cargo test --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
