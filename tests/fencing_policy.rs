@@ -42,6 +42,12 @@ async fn policy_mode_a_write_must_present_its_token() {
 }
 
 #[tokio::test]
+async fn policy_mode_the_label_is_protected_too() {
+    let p = Protected::with_policy("vaplabel").await;
+    common::stories::the_label_is_protected_too(&p).await;
+}
+
+#[tokio::test]
 async fn policy_mode_server_side_apply_is_fenced() {
     let p = Protected::with_policy("vapssa").await;
     common::stories::server_side_apply_is_fenced(&p).await;

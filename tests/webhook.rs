@@ -643,3 +643,9 @@ async fn shared_story_every_bad_token_is_refused_with_its_own_message() {
     let p = common::fencing::Protected::new("wbad", false).await;
     common::stories::every_bad_token_is_refused(&p).await;
 }
+
+#[tokio::test]
+async fn shared_story_the_label_is_protected_too() {
+    let p = common::fencing::Protected::new("wlabel", false).await;
+    common::stories::the_label_is_protected_too(&p).await;
+}

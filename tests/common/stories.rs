@@ -274,3 +274,34 @@ pub async fn server_side_apply_is_fenced(p: &Protected) {
         .cloned();
     assert_eq!(token, Some(b.token.to_string()));
 }
+
+/// The fencing label is protected too: the stored object's label decides which lease judges a
+/// write. A replaced holder can neither remove the label nor move the object to a lease it
+/// does hold; the current holder may unprotect the object, and then anyone may write it.
+pub async fn the_label_is_protected_too(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let other = super::fencing::held_lease(&p.client, ns, "other", "pod-a").await;
+    p.judges("other").await;
+    let b = move_lease(&p.client, ns, "inv", "pod-b").await;
+    p.sees(&b).await;
+    let unlabel = json!({"metadata": {"labels": {LEASE: null}}});
+    let r = fenced_merge(cms, "inv", a, unlabel.clone()).await;
+    let stale = format!("stale token {}", a.token);
+    assert_refused("A removes the lease label", r, p.code(), &stale);
+    // With the token of a lease A holds: judged by the stored label's lease, whose uid differs.
+    let relabel = json!({"metadata": {"labels": {LEASE: "other"}}});
+    let r = fenced_merge(cms, "inv", &other, relabel).await;
+    let other_incarnation = format!("stale token {}: it belongs to an earlier", other.token);
+    assert_refused(
+        "A moves the object to lease other",
+        r,
+        p.code(),
+        &other_incarnation,
+    );
+    fenced_merge(cms, "inv", &b, unlabel)
+        .await
+        .expect("the holder may unprotect the object");
+    merge(cms, "inv", json!({"data": {"n": "free"}}))
+        .await
+        .expect("an unlabelled object needs no token");
+}
