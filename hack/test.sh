@@ -41,7 +41,7 @@ cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commi
 log "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
-if ! cargo test --all-targets -- "$@"; then
+if ! cargo test --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
@@ -52,7 +52,7 @@ fi
 old_k8s="$FL_K8S_LEGACY_VERSION"
 compat_tests=()
 for n in crd_api election controller webhook fencing_presented fencing_exempt fencing_subresources \
-  fencing_server_side_apply injection_patch sidecar lease_rights chart; do
+  fencing_server_side_apply injection_patch sidecar lease_rights chart crd_rules webhook_match_conditions; do
   [ -f "tests/$n.rs" ] || die "hack/test.sh names a compatibility test tests/$n.rs that does not exist"
   compat_tests+=(--test "$n")
 done

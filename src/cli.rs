@@ -45,6 +45,9 @@ pub enum Command {
     },
     /// Generate a local CA and webhook serving certificate; print the caBundle (base64).
     Certs(crate::webhook::CertsArgs),
+    /// The kubectl plugin's commands (status, who, handover, release, check), as `kubectl
+    /// fencedlease` runs them when this binary is on PATH as `kubectl-fencedlease`.
+    Kubectl(crate::plugin::PluginArgs),
 }
 
 /// Runs the chosen subcommand.
@@ -79,6 +82,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Webhook(args) => crate::webhook::run(args).await,
         Command::Certs(args) => crate::webhook::certs(args),
         Command::Sidecar(args) => crate::sidecar::run(args).await,
+        Command::Kubectl(args) => Ok(crate::plugin::run(args).await?),
         Command::Probe { url } => {
             let url = crate::sidecar::parse_http_url(&url).map_err(anyhow::Error::msg)?;
             let ok = crate::sidecar::check_health(&url, std::time::Duration::from_secs(2)).await;

@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -28,8 +28,9 @@ use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConf
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, Mono, Observation,
 };
+use crate::lease::Revocation;
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
-use crate::pods::{lease_of, pod_state, PodIndex, ROLE_LABEL};
+use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE, ROLE_LABEL};
 
 pub const FIELD_MANAGER: &str = "fencedlease-controller";
 
@@ -75,6 +76,17 @@ pub struct ControllerArgs {
     #[arg(long, env = "FENCEDLEASE_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
+    /// Policy mode: keep one ValidatingAdmissionPolicyBinding of this ValidatingAdmissionPolicy
+    /// (the chart's fencing policy) per FencedLease, so that the API server itself refuses
+    /// stale writes to the lease's protected objects. Needs Kubernetes 1.30 or later: the
+    /// controller refuses to start without the API or the policy.
+    #[arg(long, value_name = "POLICY")]
+    pub fencing_policy: Option<String>,
+    /// Policy mode: how often, in seconds, the active controller removes the bindings of
+    /// deleted FencedLeases and restores missing or changed ones.
+    #[arg(long, default_value_t = 30, requires = "fencing_policy",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub fencing_policy_sweep_seconds: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -177,6 +189,8 @@ pub struct Context {
     seen: Mutex<HashMap<String, Seen>>,
     /// Pods that belong to leases, fed by a watch of pods (see `crate::pods`).
     pods: Mutex<PodIndex>,
+    /// Policy mode: the fencing policy's bindings, one per lease.
+    bindings: Option<Arc<crate::policy::Bindings>>,
 }
 
 impl Context {
@@ -195,7 +209,14 @@ impl Context {
             origin: Instant::now(),
             seen: Mutex::new(HashMap::new()),
             pods: Mutex::new(PodIndex::default()),
+            bindings: None,
         }
+    }
+
+    /// Keeps the fencing policy's bindings too (policy mode).
+    pub fn with_bindings(mut self, bindings: Option<Arc<crate::policy::Bindings>>) -> Context {
+        self.bindings = bindings;
+        self
     }
 }
 
@@ -254,19 +275,28 @@ fn same_conditions(a: &[Condition], b: &[Condition]) -> bool {
 /// How soon a lease whose leader label could not be moved is looked at again (absent other
 /// changes). Revocation and status never wait for the label.
 const LABEL_RETRY: Duration = Duration::from_secs(5);
+/// How soon a lease whose fencing binding could not be applied is looked at again.
+const BINDING_RETRY: Duration = Duration::from_secs(2);
 /// How soon a revocation that lost a race (the lease changed meanwhile) is looked at again.
 const REVOKE_RACE_RETRY: Duration = Duration::from_millis(50);
 
 #[instrument(skip_all, fields(lease = %lease.name_any(), ns = ?lease.namespace()))]
 pub async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
-    let outcome = match LeaseReconcile::new(&lease, &ctx) {
+    let mut outcome = match LeaseReconcile::new(&lease, &ctx) {
         Ok(mut r) => run_steps(&mut r).await,
         Err(e) => Outcome {
             next: Err(e),
             label: Ok(()),
         },
     };
+    // Policy mode: the lease's binding, after the steps (it never holds up a revocation).
+    if let (Some(b), Some(ns)) = (&ctx.bindings, lease.namespace()) {
+        if let Err(e) = b.ensure(&ns, &lease.name_any()).await {
+            warn!(error = %short(&e), "could not apply the lease's fencing binding; retrying");
+            outcome.next = outcome.next.map(|n| n.within(BINDING_RETRY));
+        }
+    }
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -440,20 +470,11 @@ impl<'a> LeaseReconcile<'a> {
     /// resourceVersion precondition), so the token moves on and a paused holder is fenced off
     /// even if no candidate is waiting.
     async fn revoke(&self, cause: Cause, lease_duration: Duration) -> Result<Next, Error> {
-        let mut desired = self.lease.clone();
-        let old = desired.spec.holder_identity.take();
-        let name = self.lease.name_any();
-        let revoked = match self
-            .api
-            .replace(&name, &PostParams::default(), &desired)
-            .await
-        {
-            Ok(revoked) => revoked,
+        let old = self.lease.spec.holder_identity.clone();
+        let revoked = match crate::lease::revoke(&self.api, self.lease).await? {
+            Revocation::Revoked(revoked) => *revoked,
             // The lease changed meanwhile (a renewal came in): look again with fresh data.
-            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
-                return Ok(Next::Requeue(REVOKE_RACE_RETRY))
-            }
-            Err(e) => return Err(e.into()),
+            Revocation::Raced => return Ok(Next::Requeue(REVOKE_RACE_RETRY)),
         };
         let holder = old.as_deref().unwrap_or("the holder");
         let token = revoked.token().unwrap_or_default();
@@ -667,7 +688,7 @@ async fn move_leader_label(
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     // The old holders' label comes off first.
     let changes = plan.unlabel.iter().map(|name| (name, None));
-    for (name, value) in changes.chain(plan.label.iter().map(|name| (name, Some("leader")))) {
+    for (name, value) in changes.chain(plan.label.iter().map(|name| (name, Some(LEADER_ROLE)))) {
         let patch = serde_json::json!({"metadata": {"labels": {ROLE_LABEL: value}}});
         match pods
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -1069,6 +1090,17 @@ async fn adopt_election_lease(
     }
 }
 
+/// Policy mode, while this replica is active: every `period`, removes the bindings of leases
+/// that are gone and restores missing or changed ones (see [`crate::policy::Bindings::sweep`]).
+async fn sweep_bindings(bindings: Arc<crate::policy::Bindings>, period: Duration) {
+    loop {
+        if let Err(e) = bindings.sweep().await {
+            warn!(error = %short(&e), "sweeping the fencing bindings failed; retrying");
+        }
+        tokio::time::sleep(period).await;
+    }
+}
+
 /// Runs the controller: campaigns for the controller lease and reconciles while active.
 pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
@@ -1078,6 +1110,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    if let Some(policy) = &args.fencing_policy {
+        crate::policy::require_policy(&client, policy).await?;
+    }
     let mut registry = Registry::default();
     let metrics = ControllerMetrics::register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
@@ -1119,7 +1154,14 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         },
     )?;
     let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
-    let ctx = Arc::new(Context::new(client.clone(), metrics, &identity));
+    let bindings = args.fencing_policy.clone().map(|p| {
+        Arc::new(crate::policy::Bindings::new(
+            client.clone(),
+            p,
+            args.namespace.clone(),
+        ))
+    });
+    let ctx = Arc::new(Context::new(client.clone(), metrics, &identity).with_bindings(bindings));
     ready.store(true, Ordering::Relaxed);
 
     let mut state = handle.state.clone();
@@ -1156,6 +1198,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         // A fresh cache and pod index for every term: what an earlier term saw may be old.
         *ctx.pods.lock().unwrap_or_else(|p| p.into_inner()) = PodIndex::default();
         let (reader, writer) = reflector::store::<FencedLease>();
+        let sweep_task = ctx.bindings.clone().map(|b| {
+            let period = Duration::from_secs(args.fencing_policy_sweep_seconds);
+            tokio::spawn(sweep_bindings(b, period))
+        });
         let namespace = args.namespace.as_deref();
         let controller = Controller::for_stream(lease_stream(&client, namespace, writer), reader)
             .reconcile_on(pod_triggers(&client, namespace, ctx.clone()))
@@ -1188,6 +1234,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         };
         ctx.metrics.leading.set(0);
         if let Some(t) = certs_task {
+            t.abort();
+        }
+        if let Some(t) = sweep_task {
             t.abort();
         }
         if outcome == "stopped" {

@@ -4,6 +4,7 @@
 //! - [`api`]: the `FencedLease` custom resource; its `metadata.generation` is the fencing token.
 //! - [`crdgen`]: the CRD YAML generated from those types.
 //! - [`cli`]: the `fencedlease` command's subcommands.
+//! - [`plugin`]: `kubectl fencedlease` (status, who, handover, release, check).
 
 pub mod api;
 pub mod campaign;
@@ -15,7 +16,9 @@ pub mod fencing;
 pub mod holder;
 pub mod lease;
 pub mod metrics;
+pub mod plugin;
 pub mod pods;
+pub mod policy;
 pub mod proxy;
 pub mod sidecar;
 pub mod webhook;

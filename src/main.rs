@@ -9,8 +9,14 @@ async fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = fencedlease::cli::Cli::parse();
-    match fencedlease::cli::run(cli).await {
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    let result = if fencedlease::plugin::called_as_plugin(&argv0) {
+        let cli = fencedlease::plugin::PluginCli::parse();
+        fencedlease::plugin::run(cli.args).await.map_err(Into::into)
+    } else {
+        fencedlease::cli::run(fencedlease::cli::Cli::parse()).await
+    };
+    match result {
         Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");

@@ -26,6 +26,8 @@ use crate::webhook::inject::{CONTAINER, LEASE_ANNOTATION};
 
 /// Label on the pod that holds a lease (for Services that select the leader).
 pub const ROLE_LABEL: &str = "fencedlease.io/role";
+/// The value of [`ROLE_LABEL`] on the holder's pod.
+pub const LEADER_ROLE: &str = "leader";
 /// Pod annotation naming the container that campaigns, for pods that run `fencedlease
 /// campaign` themselves (default: the injected sidecar's name).
 pub const CAMPAIGN_CONTAINER_ANNOTATION: &str = "fencedlease.io/campaign-container";
@@ -180,7 +182,7 @@ fn info_of(pod: &Pod) -> Option<(Key, Option<PodInfo>)> {
         .labels
         .as_ref()
         .and_then(|l| l.get(ROLE_LABEL))
-        .is_some_and(|v| v == "leader");
+        .is_some_and(|v| v == LEADER_ROLE);
     let info = lease_of(pod).map(|lease| PodInfo {
         lease: lease.to_string(),
         leader,
@@ -408,7 +410,7 @@ mod tests {
         annotations.insert("other".to_string(), "x".to_string());
         let mut labels = std::collections::BTreeMap::new();
         if leader {
-            labels.insert(ROLE_LABEL.to_string(), "leader".to_string());
+            labels.insert(ROLE_LABEL.to_string(), LEADER_ROLE.to_string());
         }
         labels.insert("app".to_string(), "db".to_string());
         Pod {

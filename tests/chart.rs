@@ -1386,3 +1386,117 @@ async fn rbac_is_enough_and_no_more() {
     }
     drop(release);
 }
+
+#[test]
+fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
+    let c = chart();
+    let vap = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy";
+    let render = |mode: &str| {
+        documents(&helm_ok(&[
+            "template",
+            "mode",
+            &c,
+            "--namespace",
+            "ops",
+            "--api-versions",
+            vap,
+            "--set",
+            &format!("fencing.mode={mode}"),
+        ]))
+    };
+    for (mode, webhook, policy) in [
+        ("webhook", true, false),
+        ("policy", false, true),
+        ("both", true, true),
+    ] {
+        let docs = render(mode);
+        let vwc = find(&docs, "ValidatingWebhookConfiguration");
+        assert_eq!(
+            vwc.len(),
+            usize::from(webhook),
+            "{mode}: the fencing webhook"
+        );
+        assert_eq!(
+            find(&docs, "ValidatingAdmissionPolicy").len(),
+            usize::from(policy),
+            "{mode}: the fencing policy"
+        );
+        let deploy = named(&docs, "Deployment", "mode-fencedlease-controller");
+        let args = container_args(deploy, "controller");
+        let flag = args.iter().position(|a| a == "--fencing-policy");
+        assert_eq!(flag.is_some(), policy, "{mode}: {args:?}");
+        // The controller keeps the caBundle of the fencing webhook only when there is one.
+        let configs = args
+            .iter()
+            .skip_while(|a| *a != "--webhook-configurations")
+            .nth(1)
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(
+            configs.contains("mode-fencedlease-fencing"),
+            webhook,
+            "{mode}: {configs}"
+        );
+        let role = grants(named(&docs, "ClusterRole", "mode-fencedlease"));
+        let binds = "create admissionregistration.k8s.io/validatingadmissionpolicybindings";
+        assert_eq!(role.iter().any(|g| g == binds), policy, "{mode}: {role:?}");
+        if policy {
+            let p = one(&docs, "ValidatingAdmissionPolicy");
+            assert_eq!(p["metadata"]["name"], "mode-fencedlease-fencing");
+            assert_eq!(args[flag.expect("flag") + 1], "mode-fencedlease-fencing");
+            assert!(role.contains(
+                &"get admissionregistration.k8s.io/validatingadmissionpolicies/mode-fencedlease-fencing"
+                    .to_string()
+            ));
+            assert_eq!(p["spec"]["failurePolicy"], "Fail");
+            assert_eq!(p["spec"]["paramKind"]["kind"], "FencedLease");
+            // The exemptions are the webhook's defaults, written into the policy.
+            let exempt = p["spec"]["variables"]
+                .as_array()
+                .expect("variables")
+                .iter()
+                .find(|v| v["name"] == "exempt")
+                .expect("the exempt variable")["expression"]
+                .as_str()
+                .expect("expression")
+                .to_string();
+            for u in fencedlease::fencing::DEFAULT_EXEMPT_USERS {
+                assert!(
+                    exempt.contains(&format!("\"{u}\"")),
+                    "{u} not exempt: {exempt}"
+                );
+            }
+            // The same resources as the webhook's rules, with /status; CREATE and UPDATE.
+            let rules = p["spec"]["matchConstraints"]["resourceRules"]
+                .as_array()
+                .expect("rules");
+            assert_eq!(rules.len(), 4);
+            assert_eq!(
+                rules[0]["resources"],
+                serde_json::json!(["configmaps", "configmaps/status"])
+            );
+            assert_eq!(
+                rules[0]["operations"],
+                serde_json::json!(["CREATE", "UPDATE"])
+            );
+        }
+    }
+    // Without the API (a server before 1.30), policy mode fails the render and says why.
+    for mode in ["policy", "both"] {
+        let (ok, _, err) = helm(&[
+            "template",
+            "mode",
+            &c,
+            "--namespace",
+            "ops",
+            "--set",
+            &format!("fencing.mode={mode}"),
+        ]);
+        assert!(
+            !ok && err.contains("GA from Kubernetes 1.30") && err.contains("fencing.mode: webhook"),
+            "{err}"
+        );
+    }
+    let (ok, _, err) = helm(&["template", "mode", &c, "--set", "fencing.mode=sometimes"]);
+    assert!(!ok && err.contains("mode"), "{err}");
+}

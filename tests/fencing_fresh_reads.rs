@@ -55,7 +55,7 @@ async fn hole_1_a_lagging_lease_cache_never_lets_a_replaced_holders_token_throug
         409,
         &format!("stale token {}", s.a.token),
     );
-    let m = s.wh.metrics();
+    let m = s.webhook().metrics();
     let caught = common::metric_value(&m, "fencedlease_webhook_cache_lag_caught_total");
     assert!(
         caught >= 1.0,
@@ -70,14 +70,14 @@ async fn hole_1_a_lagging_lease_cache_never_lets_a_replaced_holders_token_throug
 #[tokio::test]
 async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready() {
     let s = setup("hole1-cut").await;
-    assert_eq!(s.wh.readyz(), 200);
+    assert_eq!(s.webhook().readyz(), 200);
     let cut = Instant::now();
     s.proxy().cut();
     // With no write to notice it, the probe turns the webhook unready within the bound.
     eventually(
         READINESS_BOUND * 2,
         "the webhook to turn unready",
-        || async { (s.wh.readyz() == 503).then_some(()) },
+        || async { (s.webhook().readyz() == 503).then_some(()) },
     )
     .await;
     let took = cut.elapsed();
@@ -94,7 +94,7 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
     s.proxy().restore();
     let back = Instant::now();
     eventually(READINESS_BOUND * 2, "the webhook to turn ready", || async {
-        (s.wh.readyz() == 200).then_some(())
+        (s.webhook().readyz() == 200).then_some(())
     })
     .await;
     assert!(

@@ -911,7 +911,8 @@ impl CtrEvents {
         CtrEvents { child, out }
     }
 
-    /// Stops recording; returns (topic, container id) of every task start and exit, in order.
+    /// Stops recording; returns (topic, container id) of every container's task start and exit,
+    /// in order.
     fn stop(mut self) -> Vec<(String, String)> {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -923,7 +924,13 @@ impl CtrEvents {
                     .find(|t| l.contains(&format!(" {t} ")))?;
                 let body = &l[l.find(topic)? + topic.len()..];
                 let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
-                Some((topic.to_string(), v["container_id"].as_str()?.to_string()))
+                let container = v["container_id"].as_str()?;
+                // An exec'd process (an exec probe) exits as a task of the container too, under
+                // an id of its own: only the container's own task counts.
+                if topic == "/tasks/exit" && v["id"].as_str() != Some(container) {
+                    return None;
+                }
+                Some((topic.to_string(), container.to_string()))
             })
             .collect()
     }

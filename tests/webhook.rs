@@ -629,3 +629,23 @@ async fn bad_input_gets_a_denial_or_a_4xx_and_never_a_crash() {
     let m = wh.metrics();
     assert!(m.contains("result=\"invalid\""), "{m}");
 }
+
+/// The stories shared with policy mode (`tests/common/stories.rs`), played by the webhook: the
+/// same verdicts and messages as `tests/fencing_policy.rs` gets from the API server, with 409.
+#[tokio::test]
+async fn shared_story_a_replaced_holder_is_refused() {
+    let p = common::fencing::Protected::new("wstale", false).await;
+    common::stories::a_replaced_holder_is_refused(&p).await;
+}
+
+#[tokio::test]
+async fn shared_story_every_bad_token_is_refused_with_its_own_message() {
+    let p = common::fencing::Protected::new("wbad", false).await;
+    common::stories::every_bad_token_is_refused(&p).await;
+}
+
+#[tokio::test]
+async fn shared_story_the_label_is_protected_too() {
+    let p = common::fencing::Protected::new("wlabel", false).await;
+    common::stories::the_label_is_protected_too(&p).await;
+}

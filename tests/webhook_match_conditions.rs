@@ -183,7 +183,10 @@ async fn injection_is_not_called_for_pods_that_do_not_ask_for_the_sidecar() {
     ]);
     assert!(ok, "{err}");
     let release = Release::new(&ns, "flm");
-    release.run("install", &["--set", "injection.failurePolicy=Fail"]);
+    release.run(
+        "install",
+        &[&NO_PODS[..], &["--set", "injection.failurePolicy=Fail"]].concat(),
+    );
     assert_eq!(
         installed_conditions("mutatingwebhookconfiguration", &release.mutating()),
         if conditions {
@@ -242,6 +245,17 @@ async fn injection_is_not_called_for_pods_that_do_not_ask_for_the_sidecar() {
     );
 }
 
+/// No webhook may answer here: a call the API server makes must fail, which shows it was made.
+/// The release's pods get an image no node has and never pull it, so they do not run even on a
+/// cluster with a node (where the chart's default image would, and its controller and webhook
+/// would answer).
+const NO_PODS: [&str; 4] = [
+    "--set",
+    "image.repository=fencedlease-not-on-any-node",
+    "--set",
+    "image.pullPolicy=Never",
+];
+
 /// One write: what it is, who writes (user, group; None: the admin), kubectl's arguments (split
 /// at spaces), and
 /// whether the API server skips the webhook for it.
@@ -288,15 +302,10 @@ async fn fencing_is_not_called_for_exempt_writers_that_leave_the_fencing_alone()
     }
 
     let release = Release::new(&ns, "flf");
-    release.run(
-        "install",
-        &[
-            "--set-json",
-            &format!(r#"fencing.exemptUsers=["{EXEMPT_USER}"]"#),
-            "--set-json",
-            &format!(r#"fencing.exemptGroups=["{EXEMPT_GROUP}"]"#),
-        ],
-    );
+    let users = format!(r#"fencing.exemptUsers=["{EXEMPT_USER}"]"#);
+    let groups = format!(r#"fencing.exemptGroups=["{EXEMPT_GROUP}"]"#);
+    let exempt = ["--set-json", users.as_str(), "--set-json", groups.as_str()];
+    release.run("install", &[&NO_PODS[..], &exempt[..]].concat());
     let vwc = release.validating();
     let expected = if conditions {
         "not-an-exempt-update not-an-exempt-writer"

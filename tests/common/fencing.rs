@@ -1,5 +1,6 @@
 //! Helpers for the fencing tests: a held lease, moving it, and fenced or unfenced writes that
-//! report the API server's refusal as (code, message).
+//! report the API server's refusal as (code, message); the stage they play on, guarded by the
+//! webhook or by the fencing policy.
 
 use std::fmt::Debug;
 
@@ -10,6 +11,7 @@ use kube::{Api, Client};
 use serde::de::DeserializeOwned;
 
 use super::apiproxy::ApiProxy;
+use super::policy::PolicyFence;
 use super::webhook::{Webhook, WebhookOpts};
 use super::TestNamespace;
 
@@ -31,6 +33,21 @@ pub async fn held_lease(client: &Client, ns: &str, name: &str, holder: &str) -> 
     spec.holder_identity = Some(holder.into());
     let l = Api::<FencedLease>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &FencedLease::new(name, spec))
+        .await
+        .unwrap_or_else(|e| panic!("creating lease {ns}/{name}: {e}"));
+    Held {
+        token: l.token().expect("generation"),
+        uid: l.metadata.uid.clone().expect("uid"),
+    }
+}
+
+/// Creates lease `name`, held by nobody.
+pub async fn free_lease(client: &Client, ns: &str, name: &str) -> Held {
+    let l = Api::<FencedLease>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &FencedLease::new(name, FencedLeaseSpec::free()),
+        )
         .await
         .unwrap_or_else(|e| panic!("creating lease {ns}/{name}: {e}"));
     Held {
@@ -119,12 +136,22 @@ pub fn assert_refused<K: Debug>(what: &str, r: Result<K, Refused>, code: u16, wa
     }
 }
 
-/// The stage of most fencing tests: a namespace of the test's own with its own webhook, lease
-/// "inv" held by pod-a, and ConfigMap "inv" protected by it, created with pod-a's token.
+/// Who judges the protected writes of a test.
+pub enum Guard {
+    /// The test's own `fencedlease webhook` (refusals are 409).
+    Webhook(Webhook),
+    /// The chart's ValidatingAdmissionPolicy with the controller's bindings, no webhook
+    /// (refusals are 403).
+    Policy(PolicyFence),
+}
+
+/// The stage of most fencing tests: a namespace of the test's own with its own guard (a
+/// webhook, or the fencing policy), lease "inv" held by pod-a, and ConfigMap "inv" protected by
+/// it, created with pod-a's token.
 pub struct Protected {
     pub client: Client,
     pub ns: TestNamespace,
-    pub wh: Webhook,
+    pub wh: Guard,
     pub cms: Api<ConfigMap>,
     pub a: Held,
     /// With `through_proxy`: the proxy between the webhook and the API server.
@@ -132,6 +159,7 @@ pub struct Protected {
 }
 
 impl Protected {
+    /// Guarded by the webhook.
     pub async fn new(name: &str, through_proxy: bool) -> Protected {
         let client = super::client().await;
         super::ensure_crd();
@@ -143,24 +171,100 @@ impl Protected {
             ..Default::default()
         };
         let wh = Webhook::start_with(&client, &dir, &ns.name, opts).await;
+        Protected::stage(client, ns, Guard::Webhook(wh), proxy).await
+    }
+
+    /// Guarded by the fencing policy (policy mode), with no webhook at all.
+    pub async fn with_policy(name: &str) -> Protected {
+        let client = super::client().await;
+        super::ensure_crd();
+        let ns = TestNamespace::new(&client, name).await;
+        let dir = super::procs::scratch_dir(name);
+        let policy = PolicyFence::start(&client, &dir, &ns.name).await;
+        Protected::stage(client, ns, Guard::Policy(policy), None).await
+    }
+
+    async fn stage(
+        client: Client,
+        ns: TestNamespace,
+        guard: Guard,
+        proxy: Option<ApiProxy>,
+    ) -> Protected {
         let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
         let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-        let cm =
-            serde_json::json!({"metadata": protected_meta("inv", "inv", &a), "data": {"by": "a"}});
-        create(&cms, cm)
-            .await
-            .expect("A creates the object with its token");
-        Protected {
+        let p = Protected {
             client,
             ns,
-            wh,
+            wh: guard,
             cms,
             a,
             proxy,
-        }
+        };
+        p.judges("inv").await;
+        let cm = serde_json::json!({"metadata": protected_meta("inv", "inv", &p.a), "data": {"by": "a"}});
+        create(&p.cms, cm)
+            .await
+            .expect("A creates the object with its token");
+        p
     }
 
     pub fn proxy(&self) -> &ApiProxy {
         self.proxy.as_ref().expect("started with through_proxy")
+    }
+
+    /// The webhook (panics in policy mode).
+    pub fn webhook(&self) -> &Webhook {
+        match &self.wh {
+            Guard::Webhook(w) => w,
+            Guard::Policy(_) => panic!("this test runs in policy mode: no webhook"),
+        }
+    }
+
+    pub fn policy_mode(&self) -> bool {
+        matches!(self.wh, Guard::Policy(_))
+    }
+
+    /// The HTTP status of a fencing refusal under this guard.
+    pub fn code(&self) -> u16 {
+        if self.policy_mode() {
+            403
+        } else {
+            409
+        }
+    }
+
+    /// Waits until writes labelled for `lease` are judged (at once with the webhook; in policy
+    /// mode once the controller's binding for the lease is in effect).
+    pub async fn judges(&self, lease: &str) {
+        if self.policy_mode() {
+            super::policy::wait_judged(
+                &self.client,
+                &self.ns.name,
+                lease,
+                std::time::Duration::from_secs(30),
+            )
+            .await;
+        }
+    }
+
+    /// Waits until the guard sees `h` as the current token of lease "inv": a server-side dry
+    /// run of a create stamped with it is allowed. The webhook reads the lease afresh, so at
+    /// once; the policy judges on the API server's informer's view of the lease, which follows
+    /// the lease a little behind (README, "Policy mode").
+    pub async fn sees(&self, h: &Held) {
+        let cms = self.cms.clone();
+        let what = format!("the guard to see token {} of lease inv", h.token);
+        super::eventually(std::time::Duration::from_secs(10), &what, || async {
+            let probe: ConfigMap = serde_json::from_value(
+                serde_json::json!({"metadata": protected_meta("sees-probe", "inv", h)}),
+            )
+            .ok()?;
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            cms.create(&dry, &probe).await.ok().map(|_| ())
+        })
+        .await;
     }
 }

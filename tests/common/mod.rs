@@ -17,7 +17,9 @@ use kube::{Api, Client, Config};
 pub mod apiproxy;
 pub mod fencing;
 pub mod helm;
+pub mod policy;
 pub mod procs;
+pub mod stories;
 pub mod webhook;
 
 pub const DEFAULT_KUBECONFIG: &str = "/tmp/fencedlease-cluster/kubeconfig";

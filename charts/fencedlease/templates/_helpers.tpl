@@ -115,13 +115,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-fencing" (include "fencedlease.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The fencing ValidatingAdmissionPolicy (policy mode); the controller names it in the bindings
+it keeps. A DNS label (no dots): the controller refuses other names. */}}
+{{- define "fencedlease.policyName" -}}
+{{- printf "%s-fencing" (include "fencedlease.fullname" .) | replace "." "-" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Whether the fencing webhook judges writes (fencing.mode webhook or both). */}}
+{{- define "fencedlease.fencingWebhook" -}}
+{{- if ne .Values.fencing.mode "policy" -}}true{{- end -}}
+{{- end -}}
+
+{{/* Whether the fencing policy judges writes (fencing.mode policy or both). */}}
+{{- define "fencedlease.fencingPolicy" -}}
+{{- if ne .Values.fencing.mode "webhook" -}}true{{- end -}}
+{{- end -}}
+
 {{- define "fencedlease.mutatingName" -}}
 {{- printf "%s-injection" (include "fencedlease.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{/* Comma-separated names of the webhook configurations whose caBundle the operator keeps. */}}
 {{- define "fencedlease.webhookConfigurations" -}}
-{{- $names := list (include "fencedlease.validatingName" .) -}}
+{{- $names := list -}}
+{{- if include "fencedlease.fencingWebhook" . -}}
+{{- $names = append $names (include "fencedlease.validatingName" .) -}}
+{{- end -}}
 {{- if .Values.injection.enabled -}}
 {{- $names = append $names (include "fencedlease.mutatingName" .) -}}
 {{- end -}}

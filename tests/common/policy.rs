@@ -1,0 +1,150 @@
+//! Policy mode for the fencing tests: the chart's ValidatingAdmissionPolicy (rendered from
+//! `charts/fencedlease/templates/fencing-policy.yaml`, the one definition of its CEL), scoped to
+//! one test namespace, and a real `fencedlease controller --fencing-policy` that keeps its
+//! bindings. No webhook runs: the API server judges the writes itself.
+
+use std::path::Path;
+use std::time::Duration;
+
+use fencedlease::policy::{policy_hash, POLICY_API};
+use kube::Client;
+
+use super::helm::{chart, helm_ok};
+use super::procs::{controller_with, Proc};
+
+pub struct PolicyFence {
+    /// The ValidatingAdmissionPolicy's name.
+    pub name: String,
+    pub controller: Proc,
+}
+
+/// Panics (the test fails, never skips) when the server lacks ValidatingAdmissionPolicy v1.
+pub async fn require_policy_api(client: &Client) {
+    let served = match client.list_api_group_resources(POLICY_API).await {
+        Ok(l) => l
+            .resources
+            .iter()
+            .any(|r| r.name == "validatingadmissionpolicies"),
+        Err(_) => false,
+    };
+    let version = client
+        .apiserver_version()
+        .await
+        .map(|v| v.git_version)
+        .unwrap_or_default();
+    assert!(
+        served,
+        "the policy-mode tests need {POLICY_API} ValidatingAdmissionPolicy (Kubernetes 1.30 or later), which this API server ({version}) does not serve: run them on the current release (hack/test.sh runs them on 1.37 only)"
+    );
+}
+
+/// The chart's fencing policy as `helm template` renders it for a release named `release`,
+/// judging only namespace `ns` (the tests' namespaces are labelled with their own name).
+pub fn render_policy(release: &str, ns: &str) -> String {
+    let selector = format!(r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{ns}"}}}}"#);
+    helm_ok(&[
+        "template",
+        release,
+        &chart(),
+        "--namespace",
+        ns,
+        "--set",
+        "fencing.mode=policy",
+        "--set-json",
+        &format!("fencing.namespaceSelector={selector}"),
+        "--api-versions",
+        "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+        "--show-only",
+        "templates/fencing-policy.yaml",
+    ])
+}
+
+impl PolicyFence {
+    /// Installs the policy for namespace `ns` and starts the controller that binds it.
+    pub async fn start(client: &Client, dir: &Path, ns: &str) -> PolicyFence {
+        require_policy_api(client).await;
+        let suffix = ns.rsplit('-').next().expect("namespace suffix");
+        let release = format!("vap-{suffix}");
+        let name = format!("{release}-fencedlease-fencing");
+        let file = dir.join("policy.yaml");
+        std::fs::write(&file, render_policy(&release, ns)).expect("write the rendered policy");
+        let (ok, _, err) = super::kubectl(&["apply", "-f", file.to_str().expect("utf-8")]);
+        assert!(ok, "installing the fencing policy failed: {err}");
+        // The API server type-checks the CEL against the matched types: no warnings.
+        let status = super::eventually(
+            Duration::from_secs(20),
+            "the policy to be type-checked",
+            || async {
+                let (ok, out, _) = super::kubectl(&[
+                    "get",
+                    "validatingadmissionpolicy",
+                    &name,
+                    "-o",
+                    "jsonpath={.status}",
+                ]);
+                (ok && out.contains("typeChecking")).then_some(out)
+            },
+        )
+        .await;
+        assert!(
+            !status.contains("expressionWarnings"),
+            "the fencing policy's CEL has type-checking warnings: {status}"
+        );
+        let controller = controller_with(
+            dir,
+            ns,
+            "controller",
+            &[
+                "--fencing-policy",
+                &name,
+                "--fencing-policy-sweep-seconds",
+                "1",
+            ],
+        );
+        PolicyFence { name, controller }
+    }
+}
+
+impl Drop for PolicyFence {
+    fn drop(&mut self) {
+        let _ = super::kubectl(&[
+            "delete",
+            "validatingadmissionpolicy",
+            &self.name,
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+        let _ = super::kubectl(&[
+            "delete",
+            "validatingadmissionpolicybindings",
+            "-l",
+            &format!("fencedlease.io/policy={}", policy_hash(&self.name)),
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+    }
+}
+
+/// Waits until a write labelled for `lease` in `ns` is judged (a labelled create without a
+/// token is refused by fencedlease): the binding exists and the API server has loaded it.
+pub async fn wait_judged(client: &Client, ns: &str, lease: &str, timeout: Duration) {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, PostParams};
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let what = format!("writes labelled for lease {ns}/{lease} to be judged");
+    super::eventually(timeout, &what, || async {
+        let probe: ConfigMap = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "judged-probe", "labels": {"fencedlease.io/lease": lease}}
+        }))
+        .ok()?;
+        let dry = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        match cms.create(&dry, &probe).await {
+            Err(kube::Error::Api(s)) if s.message.contains("fencedlease") => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+}

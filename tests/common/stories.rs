@@ -1,0 +1,307 @@
+//! The fencing stories, told once and played under either guard: the webhook
+//! (`tests/fencing_presented.rs`, `tests/fencing_server_side_apply.rs`) and the fencing policy
+//! (`tests/fencing_policy.rs`). The same writes get the same verdicts and messages; only the
+//! status code differs (409 from the webhook, 403 from the policy), and in policy mode a story
+//! waits after moving a lease until the API server's view of it has caught up (`sees`).
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::Api;
+use serde_json::json;
+
+use super::fencing::{
+    assert_refused, create, fenced_merge, merge, move_lease, stamp, Held, Protected, Refused,
+    LEASE, TOKEN, UID, WRITE_ID,
+};
+use super::kubectl;
+
+fn data_n(cm: &ConfigMap) -> Option<&str> {
+    cm.data.as_ref()?.get("n").map(String::as_str)
+}
+
+/// The articles' story: A writes; the lease moves to B; B writes with its token; A, replaced,
+/// writes again with its old token and is refused, with a message naming both tokens and B.
+pub async fn a_replaced_holder_is_refused(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    fenced_merge(cms, "inv", a, json!({"data": {"n": "a1"}}))
+        .await
+        .expect("the holder's write lands");
+    let b = move_lease(&p.client, ns, "inv", "pod-b").await;
+    assert!(b.token > a.token);
+    p.sees(&b).await;
+    fenced_merge(cms, "inv", &b, json!({"data": {"n": "b1"}}))
+        .await
+        .expect("the new holder's write lands");
+    let r = fenced_merge(cms, "inv", a, json!({"data": {"n": "a2"}})).await;
+    eprintln!("a replaced holder's write: {:?}", r.as_ref().err());
+    assert_refused(
+        "A's stale write",
+        r.clone(),
+        p.code(),
+        &format!("stale token {}", a.token),
+    );
+    let (_, msg) = r.expect_err("refused");
+    assert!(
+        msg.contains(&format!("moved on to token {}", b.token)) && msg.contains("held by pod-b"),
+        "{msg}"
+    );
+    let stored = cms.get("inv").await.expect("read");
+    assert_eq!(data_n(&stored), Some("b1"), "B's write stands");
+}
+
+/// Every way a write can fail to present the current token, on a create labelled for lease
+/// "inv" (and a free lease): refused, each with its own message naming the lease.
+pub async fn every_bad_token_is_refused(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let free = super::fencing::free_lease(&p.client, ns, "free").await;
+    p.judges("free").await;
+    let g = a.token.to_string();
+    let uid = a.uid.as_str();
+    let cases: Vec<(&str, &str, serde_json::Value, &str)> = vec![
+        (
+            "future",
+            "inv",
+            json!({TOKEN: (a.token + 5).to_string(), UID: uid}),
+            "is ahead of",
+        ),
+        (
+            "missing",
+            "inv",
+            json!({UID: uid}),
+            "must carry the holder's token",
+        ),
+        (
+            "malformed",
+            "inv",
+            json!({TOKEN: "7abc", UID: uid}),
+            "is not a fencing token",
+        ),
+        (
+            "padded",
+            "inv",
+            json!({TOKEN: format!("0{g}"), UID: uid}),
+            "leading zeros",
+        ),
+        (
+            "negative",
+            "inv",
+            json!({TOKEN: "-1", UID: uid}),
+            "negative",
+        ),
+        (
+            "huge",
+            "inv",
+            json!({TOKEN: "99999999999999999999", UID: uid}),
+            "64-bit",
+        ),
+        ("empty", "inv", json!({TOKEN: "", UID: uid}), "it is empty"),
+        (
+            "nouid",
+            "inv",
+            json!({TOKEN: g}),
+            "no fencedlease.io/lease-uid",
+        ),
+        (
+            "olduid",
+            "inv",
+            json!({TOKEN: g, UID: "not-this-lease"}),
+            "which was deleted",
+        ),
+        (
+            "free",
+            "free",
+            json!({TOKEN: free.token.to_string(), UID: free.uid}),
+            "is free",
+        ),
+    ];
+    for (name, lease, annotations, want) in cases {
+        let cm = json!({"metadata": {"name": name, "labels": {LEASE: lease}, "annotations": annotations}});
+        let r: Result<ConfigMap, Refused> = create(cms, cm).await;
+        if let Err((code, msg)) = &r {
+            eprintln!("{name}: {code} {msg}");
+        }
+        assert_refused(name, r.clone(), p.code(), want);
+        let (_, msg) = r.expect_err("refused");
+        assert!(
+            msg.contains(&format!("{ns}/{lease}")),
+            "{name}: the message names the lease: {msg}"
+        );
+    }
+    // The current token passes, and an unlabelled object never needs one.
+    create::<ConfigMap>(
+        cms,
+        json!({"metadata": super::fencing::protected_meta("ok", "inv", a)}),
+    )
+    .await
+    .expect("the current token is accepted");
+    create::<ConfigMap>(cms, json!({"metadata": {"name": "plain"}}))
+        .await
+        .expect("unprotected objects are untouched");
+}
+
+/// A write must present its token itself: the token an earlier write left on the object (kubectl
+/// label, annotate, edit, a read-modify-write that keeps what it read) does not count; an update
+/// passes only with a new write id beside the token.
+pub async fn a_write_must_present_its_token(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let not_presented = "does not present a token of its own";
+    // kubectl's writes that do not stamp: label, annotate, a data patch.
+    for args in [
+        vec!["label", "configmap", "inv", "touched=yes"],
+        vec!["annotate", "configmap", "inv", "note=hello"],
+        vec![
+            "patch",
+            "configmap",
+            "inv",
+            "--type=merge",
+            "-p",
+            r#"{"data":{"n":"1"}}"#,
+        ],
+    ] {
+        let mut full = vec!["-n", ns.as_str()];
+        full.extend(args.iter().copied());
+        let (ok, _, err) = kubectl(&full);
+        assert!(
+            !ok && err.contains(not_presented),
+            "kubectl {args:?}: {err}"
+        );
+    }
+    // A read-modify-write that keeps what it read (the stored write id): refused.
+    let mut read = cms.get("inv").await.expect("read");
+    read.data
+        .get_or_insert_default()
+        .insert("n".into(), "2".into());
+    let r = cms
+        .replace("inv", &PostParams::default(), &read)
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(s) => (s.code, s.message),
+            other => (0, other.to_string()),
+        });
+    assert_refused("replace with the stored stamp", r, p.code(), not_presented);
+    // The token and uid written again, but the write id reused: refused.
+    let stored_id = read
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(WRITE_ID))
+        .cloned()
+        .expect("the stored write id");
+    let reuse = json!({"metadata": {"annotations": {
+        TOKEN: a.token.to_string(), UID: a.uid, WRITE_ID: stored_id}}, "data": {"n": "3"}});
+    let r = merge(cms, "inv", reuse).await;
+    eprintln!("a reused write id: {:?}", r.as_ref().err());
+    assert_refused("a reused write id", r, p.code(), not_presented);
+    // A write that presents: token, uid and a new write id.
+    let ok = fenced_merge(cms, "inv", a, json!({"data": {"n": "4"}}))
+        .await
+        .expect("a write that presents its token");
+    assert_eq!(data_n(&ok), Some("4"));
+    // And a full replace that presents, too.
+    let mut read = cms.get("inv").await.expect("read");
+    read.metadata.annotations = serde_json::from_value(stamp(a)).ok();
+    read.data
+        .get_or_insert_default()
+        .insert("n".into(), "5".into());
+    cms.replace("inv", &PostParams::default(), &read)
+        .await
+        .expect("a replace that presents its token");
+}
+
+/// Applies `n` to ConfigMap "inv" as field manager `manager`, with `annotations`.
+async fn apply(
+    cms: &Api<ConfigMap>,
+    manager: &str,
+    annotations: serde_json::Value,
+    n: &str,
+) -> Result<ConfigMap, Refused> {
+    let cm = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "inv", "labels": {LEASE: "inv"}, "annotations": annotations},
+        "data": {"n": n}
+    });
+    cms.patch(
+        "inv",
+        &PatchParams::apply(manager).force(),
+        &Patch::Apply(&cm),
+    )
+    .await
+    .map_err(|e| match e {
+        kube::Error::Api(s) => (s.code, s.message),
+        other => (0, other.to_string()),
+    })
+}
+
+/// Server-side apply (kubectl apply --server-side, Flux, Argo CD) is fenced like any write: the
+/// guard judges the object the apply would store.
+pub async fn server_side_apply_is_fenced(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let applied = apply(cms, "writer-a", stamp(a), "1")
+        .await
+        .expect("the holder's apply with its stamp");
+    assert_eq!(data_n(&applied), Some("1"));
+
+    let b: Held = move_lease(&p.client, ns, "inv", "pod-b").await;
+    assert!(b.token > a.token);
+    p.sees(&b).await;
+    // The replaced writer applies again with its own (now stale) token: refused.
+    assert_refused(
+        "a stale apply",
+        apply(cms, "writer-a", stamp(a), "2").await,
+        p.code(),
+        &format!("stale token {}", a.token),
+    );
+    // An apply that leaves the stamp out keeps the token stored by earlier writes (another
+    // manager owns it too), but that token is not presented by this write: refused.
+    assert_refused(
+        "an apply without a stamp",
+        apply(cms, "writer-a", json!({}), "3").await,
+        p.code(),
+        "does not present a token of its own",
+    );
+    // The new holder's apply, stamped: accepted, and the object shows it.
+    let applied = apply(cms, "writer-b", stamp(&b), "4")
+        .await
+        .expect("the new holder's apply with its stamp");
+    assert_eq!(data_n(&applied), Some("4"));
+    let stored = cms.get("inv").await.expect("read back");
+    assert_eq!(data_n(&stored), Some("4"));
+    let token = stored
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(TOKEN))
+        .cloned();
+    assert_eq!(token, Some(b.token.to_string()));
+}
+
+/// The fencing label is protected too: the stored object's label decides which lease judges a
+/// write. A replaced holder can neither remove the label nor move the object to a lease it
+/// does hold; the current holder may unprotect the object, and then anyone may write it.
+pub async fn the_label_is_protected_too(p: &Protected) {
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let other = super::fencing::held_lease(&p.client, ns, "other", "pod-a").await;
+    p.judges("other").await;
+    let b = move_lease(&p.client, ns, "inv", "pod-b").await;
+    p.sees(&b).await;
+    let unlabel = json!({"metadata": {"labels": {LEASE: null}}});
+    let r = fenced_merge(cms, "inv", a, unlabel.clone()).await;
+    let stale = format!("stale token {}", a.token);
+    assert_refused("A removes the lease label", r, p.code(), &stale);
+    // With the token of a lease A holds: judged by the stored label's lease, whose uid differs.
+    let relabel = json!({"metadata": {"labels": {LEASE: "other"}}});
+    let r = fenced_merge(cms, "inv", &other, relabel).await;
+    let other_incarnation = format!("stale token {}: it belongs to an earlier", other.token);
+    assert_refused(
+        "A moves the object to lease other",
+        r,
+        p.code(),
+        &other_incarnation,
+    );
+    fenced_merge(cms, "inv", &b, unlabel)
+        .await
+        .expect("the holder may unprotect the object");
+    merge(cms, "inv", json!({"data": {"n": "free"}}))
+        .await
+        .expect("an unlabelled object needs no token");
+}

@@ -1,0 +1,212 @@
+//! Policy mode (issue 18): with NO webhook running, the API server itself refuses stale writes
+//! to protected objects, evaluating the chart's ValidatingAdmissionPolicy with the object's
+//! FencedLease as its parameter, through the binding the controller keeps for that lease.
+//!
+//! The webhook's stories play here unchanged (`tests/common/stories.rs`): the same writes get
+//! the same verdicts and messages, refused with 403 instead of 409. Then what differs: the
+//! writes policy mode does not check or does not soften (README, "Policy mode").
+//!
+//! Needs Kubernetes 1.30 or later (ValidatingAdmissionPolicy v1); on an older server every test
+//! here fails, saying so. hack/test.sh runs it on the current release only.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fencing::{assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE};
+use common::{client_as, eventually, kubectl};
+use fencedlease::api::FencedLease;
+use fencedlease::policy::policy_hash;
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::Api;
+use serde_json::json;
+
+#[tokio::test]
+async fn policy_mode_a_replaced_holder_is_refused_by_the_api_server() {
+    let p = Protected::with_policy("vapstale").await;
+    common::stories::a_replaced_holder_is_refused(&p).await;
+}
+
+#[tokio::test]
+async fn policy_mode_every_bad_token_is_refused_with_its_own_message() {
+    let p = Protected::with_policy("vapbad").await;
+    common::stories::every_bad_token_is_refused(&p).await;
+}
+
+#[tokio::test]
+async fn policy_mode_a_write_must_present_its_token() {
+    let p = Protected::with_policy("vappresent").await;
+    common::stories::a_write_must_present_its_token(&p).await;
+}
+
+#[tokio::test]
+async fn policy_mode_the_label_is_protected_too() {
+    let p = Protected::with_policy("vaplabel").await;
+    common::stories::the_label_is_protected_too(&p).await;
+}
+
+#[tokio::test]
+async fn policy_mode_server_side_apply_is_fenced() {
+    let p = Protected::with_policy("vapssa").await;
+    common::stories::server_side_apply_is_fenced(&p).await;
+}
+
+/// Kubernetes' own controllers (the garbage collector here) may update a protected object
+/// without a token while they leave the fencing label and annotations as they are; changing
+/// those, they are judged like anyone.
+#[tokio::test]
+async fn policy_mode_exempt_controllers_pass_while_they_leave_the_fencing_metadata_alone() {
+    let p = Protected::with_policy("vapexempt").await;
+    let gc = client_as("system:serviceaccount:kube-system:generic-garbage-collector").await;
+    let gc_cms: Api<ConfigMap> = Api::namespaced(gc, &p.ns.name);
+    merge(
+        &gc_cms,
+        "inv",
+        json!({"metadata": {"finalizers": ["test.fencedlease.io/hold"]}}),
+    )
+    .await
+    .expect("the garbage collector adds a finalizer without a token");
+    merge(&gc_cms, "inv", json!({"metadata": {"finalizers": null}}))
+        .await
+        .expect("and removes it");
+    // Anyone else doing the same is refused: the stored token is not presented by that write.
+    let r = merge(
+        &p.cms,
+        "inv",
+        json!({"metadata": {"finalizers": ["test.fencedlease.io/hold"]}}),
+    )
+    .await;
+    assert_refused(
+        "a finalizer by the admin",
+        r,
+        403,
+        "does not present a token of its own",
+    );
+    // The exempt writer that changes the fencing annotations is judged: a stale token is refused.
+    let b = move_lease(&p.client, &p.ns.name, "inv", "pod-b").await;
+    p.sees(&b).await;
+    let r = fenced_merge(&gc_cms, "inv", &p.a, json!({})).await;
+    assert_refused(
+        "the GC writing a stale stamp",
+        r,
+        403,
+        &format!("stale token {}", p.a.token),
+    );
+}
+
+/// Where policy mode differs from the webhook, shown: a write labelled for a lease that does not
+/// exist matches no binding and is NOT checked (the webhook refuses it); the namespace's warn
+/// mode is not honoured (refusals stay refusals, with no warning); a deleted lease's binding is
+/// removed by the controller's sweep, and until then its objects' writes are refused.
+#[tokio::test]
+async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
+    let p = Protected::with_policy("vapdiff").await;
+    let ns = &p.ns.name;
+
+    // No lease "ghost": no binding, so the API server lets the write through unchecked.
+    let ghost = json!({"metadata": {"name": "ghost", "labels": {LEASE: "ghost"}}});
+    create::<ConfigMap>(&p.cms, ghost)
+        .await
+        .expect("policy mode does not check writes labelled for a lease that does not exist");
+
+    // Warn mode of the namespace: the webhook would let a bad write through with a warning; the
+    // policy refuses it all the same.
+    let nss: Api<Namespace> = Api::all(p.client.clone());
+    let warn =
+        json!({"metadata": {"annotations": {fencedlease::fencing::MODE_ANNOTATION: "warn"}}});
+    nss.patch(ns, &PatchParams::default(), &Patch::Merge(&warn))
+        .await
+        .expect("annotate the namespace warn");
+    let r = merge(&p.cms, "inv", json!({"data": {"n": "unstamped"}})).await;
+    assert_refused(
+        "an unstamped write in warn mode",
+        r,
+        403,
+        "does not present a token of its own",
+    );
+
+    // A deleted lease: the controller's sweep removes its binding; until it has, writes to the
+    // lease's objects are refused (the binding's parameter cannot be found: Deny).
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
+    let policy = match &p.wh {
+        common::fencing::Guard::Policy(f) => f.name.clone(),
+        common::fencing::Guard::Webhook(_) => unreachable!("policy mode"),
+    };
+    let ours =
+        ListParams::default().labels(&format!("fencedlease.io/policy={}", policy_hash(&policy)));
+    let of_inv = |l: &[ValidatingAdmissionPolicyBinding]| {
+        l.iter().any(|b| {
+            b.spec
+                .as_ref()
+                .and_then(|s| s.param_ref.as_ref())
+                .and_then(|r| r.name.as_deref())
+                == Some("inv")
+        })
+    };
+    assert!(
+        of_inv(&bindings.list(&ours).await.expect("list").items),
+        "inv has a binding"
+    );
+    Api::<FencedLease>::namespaced(p.client.clone(), ns)
+        .delete("inv", &DeleteParams::default())
+        .await
+        .expect("delete the lease");
+    eventually(
+        Duration::from_secs(20),
+        "the sweep to remove inv's binding",
+        || async {
+            let l = bindings.list(&ours).await.ok()?.items;
+            (!of_inv(&l)).then_some(())
+        },
+    )
+    .await;
+    // With the binding gone, the lease's objects are not checked at all (policy mode only).
+    eventually(
+        Duration::from_secs(20),
+        "the API server to drop inv's binding",
+        || async {
+            merge(&p.cms, "inv", json!({"data": {"n": "unchecked"}}))
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+}
+
+/// The controller refuses to run policy mode without its policy (a binding of a missing policy
+/// would check nothing), and says what to do.
+#[tokio::test]
+async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
+    let client = common::client().await;
+    common::policy::require_policy_api(&client).await;
+    let ns = common::TestNamespace::new(&client, "vapnopolicy").await;
+    let dir = common::procs::scratch_dir("vapnopolicy");
+    let mut c = common::procs::controller_with(
+        &dir,
+        &ns.name,
+        "controller",
+        &["--fencing-policy", "no-such-fencing-policy"],
+    );
+    let code = c.wait_exit(Duration::from_secs(20));
+    let log = c.log_tail();
+    assert_eq!(code, Some(1), "{log}");
+    assert!(
+        log.contains("no ValidatingAdmissionPolicy of that name exists")
+            && log.contains("fencing.mode: policy or both"),
+        "{log}"
+    );
+    // The rendered policy is what the server accepts and type-checks without warnings.
+    let rendered = common::policy::render_policy("vapcheck", &ns.name);
+    let file = dir.join("policy.yaml");
+    std::fs::write(&file, &rendered).expect("write");
+    let (ok, out, err) = kubectl(&[
+        "apply",
+        "--dry-run=server",
+        "-f",
+        file.to_str().expect("utf-8"),
+    ]);
+    assert!(ok, "{out}{err}");
+}

@@ -1,0 +1,220 @@
+//! `kubectl fencedlease` against a real API server: the binary run as `fencedlease kubectl ...`
+//! (and once by its plugin name), leases held by real `fencedlease campaign` processes.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::procs::{campaign, scratch_dir};
+use common::{client, ensure_crd, eventually, kubeconfig_path, TestNamespace};
+use fencedlease::api::{FencedLease, FencedLeaseSpec};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use kube::Api;
+
+struct Run {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `program` with `args` against the test cluster, stdin not a terminal.
+fn run_program(program: &std::path::Path, args: &[&str]) -> Run {
+    let out = Command::new(program)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig_path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("running fencedlease");
+    Run {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `fencedlease kubectl -n NS ARGS...`.
+fn plugin(ns: &str, args: &[&str]) -> Run {
+    let mut all = vec!["kubectl", "-n", ns];
+    all.extend_from_slice(args);
+    run_program(env!("CARGO_BIN_EXE_fencedlease").as_ref(), &all)
+}
+
+/// Waits until `who` names a holder; returns (holder, token).
+async fn holder(ns: &str, lease: &str) -> (String, i64) {
+    eventually(Duration::from_secs(30), "who to name a holder", || async {
+        let r = plugin(ns, &["who", lease]);
+        let mut parts = r.stdout.split_whitespace();
+        match (
+            r.ok,
+            parts.next(),
+            parts.next().and_then(|t| t.parse().ok()),
+        ) {
+            (true, Some(h), Some(t)) => Some((h.to_string(), t)),
+            _ => None,
+        }
+    })
+    .await
+}
+
+async fn candidate_pod(client: &kube::Client, ns: &str, name: &str, lease: &str) {
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "annotations": {"fencedlease.io/lease": lease}},
+        "spec": {"containers": [{"name": "app", "image": "registry.invalid/app"}]}
+    }))
+    .expect("pod literal");
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("create pod");
+}
+
+#[tokio::test]
+async fn status_and_who_show_the_holder_its_token_and_candidates() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-status").await;
+    let dir = scratch_dir("plugin-status");
+    candidate_pod(&client, &ns.name, "a", "db").await;
+    let _a = campaign(&dir, &ns.name, "db", "a", 10);
+    let (who, token) = holder(&ns.name, "db").await;
+    assert_eq!(who, "a");
+    let lease = Api::<FencedLease>::namespaced(client.clone(), &ns.name)
+        .get("db")
+        .await
+        .expect("get");
+    assert_eq!(lease.status.and_then(|s| s.token), Some(token));
+
+    let json = plugin(&ns.name, &["status", "-o", "json"]);
+    assert!(json.ok, "{}", json.stderr);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("status JSON");
+    let item = &v["items"][0];
+    assert_eq!(item["name"], "db");
+    assert_eq!(item["holder"], "a");
+    assert_eq!(item["token"], token);
+    assert_eq!(item["leaseDurationSeconds"], 10);
+    assert_eq!(item["candidates"][0]["name"], "a");
+    assert_eq!(item["candidates"][0]["ready"], false, "no kubelet runs it");
+
+    let table = plugin(&ns.name, &["status"]);
+    assert!(table.ok, "{}", table.stderr);
+    eprintln!("{}", table.stdout);
+    let row = table.stdout.lines().nth(1).expect("a row");
+    for part in ["db", " a ", &format!(" {token} "), "10s", "a (not ready)"] {
+        assert!(row.contains(part), "{part:?} missing from {row:?}");
+    }
+    let all = plugin(&ns.name, &["status", "-A"]);
+    assert!(all.stdout.starts_with("NAMESPACE"), "{}", all.stdout);
+    assert!(all.stdout.contains(&ns.name), "{}", all.stdout);
+}
+
+#[tokio::test]
+async fn who_on_a_free_lease_fails_and_says_so() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-free").await;
+    Api::<FencedLease>::namespaced(client.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &FencedLease::new("db", FencedLeaseSpec::free()),
+        )
+        .await
+        .expect("create lease");
+    let r = plugin(&ns.name, &["who", "db"]);
+    assert!(!r.ok, "who must fail on a free lease: {}", r.stdout);
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    assert!(r.stderr.contains("nobody holds lease"), "{}", r.stderr);
+    let r = plugin(&ns.name, &["who", "absent"]);
+    assert!(!r.ok && r.stderr.contains("not found"), "{}", r.stderr);
+}
+
+#[tokio::test]
+async fn handover_moves_the_lease_to_the_named_candidate() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-handover").await;
+    let dir = scratch_dir("plugin-handover");
+    let _a = campaign(&dir, &ns.name, "db", "a", 30);
+    let (first, token) = holder(&ns.name, "db").await;
+    let _b = campaign(&dir, &ns.name, "db", "b", 30);
+    let other = if first == "a" { "b" } else { "a" };
+    let r = plugin(&ns.name, &["handover", "db"]);
+    assert!(!r.ok && r.stderr.contains("--to"), "{}", r.stderr);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = plugin(&ns.name, &["handover", "db", "--to", other]);
+    assert!(r.ok, "{}", r.stderr);
+    let (second, new_token) = eventually(Duration::from_secs(15), "the handover", || async {
+        let r = plugin(&ns.name, &["who", "db"]);
+        let line = r.stdout.trim().to_string();
+        line.starts_with(&format!("{other} ")).then_some(line)
+    })
+    .await
+    .split_once(' ')
+    .map(|(h, t)| (h.to_string(), t.parse::<i64>().expect("token")))
+    .expect("who line");
+    assert_eq!(second, other);
+    assert!(new_token > token, "{new_token} after {token}");
+}
+
+#[tokio::test]
+async fn release_revokes_and_the_token_goes_up_but_not_without_yes_off_a_tty() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-release").await;
+    let dir = scratch_dir("plugin-release");
+    let _a = campaign(&dir, &ns.name, "db", "a", 30);
+    let (_, token) = holder(&ns.name, "db").await;
+    let api = Api::<FencedLease>::namespaced(client.clone(), &ns.name);
+    let before = api.get("db").await.expect("get").metadata.generation;
+
+    let r = plugin(&ns.name, &["release", "db"]);
+    assert!(!r.ok, "release without --yes off a terminal must refuse");
+    assert!(r.stderr.contains("pass --yes"), "{}", r.stderr);
+    let lease = api.get("db").await.expect("get");
+    assert_eq!(lease.metadata.generation, before, "nothing was written");
+    assert_eq!(lease.holder(), Some("a"));
+
+    let r = plugin(&ns.name, &["release", "db", "--yes"]);
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("revoked"), "{}", r.stdout);
+    let revoked_to: i64 = r
+        .stdout
+        .trim()
+        .rsplit(' ')
+        .next()
+        .and_then(|t| t.parse().ok())
+        .expect("the new token at the end");
+    assert!(revoked_to > token, "{revoked_to} after {token}");
+    // The candidate competes again and takes the lease with a higher token still.
+    let (_, again) = holder(&ns.name, "db").await;
+    assert!(again > revoked_to, "{again} after {revoked_to}");
+}
+
+#[tokio::test]
+async fn check_reports_the_crd_and_the_binary_answers_by_its_plugin_name() {
+    let client = client().await;
+    ensure_crd();
+    let dir = scratch_dir("plugin-check");
+    let link = dir.join(fencedlease::plugin::PLUGIN_BINARY);
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_fencedlease"), &link).expect("symlink");
+    let _ = client;
+    let r = run_program(&link, &["check"]);
+    eprintln!("{}", r.stdout);
+    for line in [
+        "✓ CRD fencedleases.fencedlease.io is installed",
+        "✓ CRD fencedleases.fencedlease.io is established",
+        "✓ CRD fencedleases.fencedlease.io is the one this fencedlease",
+    ] {
+        assert!(r.stdout.contains(line), "{line:?} missing:\n{}", r.stdout);
+    }
+    // Every failure (no chart on the test cluster) says what to do, and fails the command.
+    let failures = r.stdout.lines().filter(|l| l.starts_with('✗')).count();
+    let fixes = r
+        .stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with('→'))
+        .count();
+    assert_eq!(failures, fixes, "{}", r.stdout);
+    assert_eq!(r.ok, failures == 0, "{}", r.stdout);
+}
