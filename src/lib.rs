@@ -15,6 +15,7 @@ pub mod crdgen;
 pub mod fencing;
 pub mod holder;
 pub mod lease;
+pub mod logging;
 pub mod metrics;
 pub mod plugin;
 pub mod pods;

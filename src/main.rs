@@ -1,20 +1,17 @@
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
+use fencedlease::logging;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let argv0 = std::env::args_os().next().unwrap_or_default();
     let result = if fencedlease::plugin::called_as_plugin(&argv0) {
         let cli = fencedlease::plugin::PluginCli::parse();
+        logging::init(logging::LogFormat::Text);
         fencedlease::plugin::run(cli.args).await.map_err(Into::into)
     } else {
-        fencedlease::cli::run(fencedlease::cli::Cli::parse()).await
+        let cli = fencedlease::cli::Cli::parse();
+        logging::init(cli.log_format);
+        fencedlease::cli::run(cli).await
     };
     match result {
         Ok(code) => code,
