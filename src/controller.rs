@@ -1115,6 +1115,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     }
     let mut registry = Registry::default();
     let metrics = ControllerMetrics::register(&mut registry);
+    let renewals = crate::metrics::RenewalGauge::register(
+        &mut registry,
+        "fencedlease_controller_last_renewal_timestamp_seconds",
+    );
     let ready = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
 
@@ -1153,6 +1157,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             timing_override: None,
         },
     )?;
+    renewals.follow(handle.state.clone());
     let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
     let bindings = args.fencing_policy.clone().map(|p| {
         Arc::new(crate::policy::Bindings::new(

@@ -69,8 +69,8 @@ pub struct SidecarArgs {
     /// are refused while this pod does not lead. Off unless set.
     #[arg(long, env = "FENCEDLEASE_PROXY_LISTEN")]
     pub proxy_listen: Option<SocketAddr>,
-    /// Also serve /healthz and /readyz (nothing else: no token, no status) on this address, for
-    /// kubelet's HTTP probes. Unlike an exec probe, an HTTP probe of a frozen pod times out and
+    /// Also serve /healthz, /readyz and /metrics (without the token; no status, no token API)
+    /// on this address, for kubelet's HTTP probes and Prometheus. Unlike an exec probe, an HTTP probe of a frozen pod times out and
     /// fails, so a frozen leader turns unready. Off unless set; the injector sets [::]:PORT+2
     /// (IPv4 and IPv6; IPv4 alone where the pod has no IPv6).
     #[arg(long, env = "FENCEDLEASE_PROBE_LISTEN")]
@@ -107,7 +107,10 @@ struct Shared {
     handle: ElectorHandle,
     ready_only_when_leader: bool,
     app_healthy: AtomicBool,
+    /// Everything, for the loopback API's /metrics.
     registry: Arc<Registry>,
+    /// Everything but the token, for the probe endpoint's /metrics (reachable on the pod IP).
+    public_registry: Arc<Registry>,
 }
 
 impl Shared {
@@ -185,11 +188,77 @@ async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    encode_metrics(&s.registry)
+}
+
+/// The probe endpoint's /metrics: what a Prometheus on the pod network may scrape. The token
+/// is left out: it grants nothing by itself (a write still needs RBAC rights to the object, and
+/// whoever may read the FencedLease reads its generation), but nothing there needs it.
+async fn public_metrics(State(s): State<Arc<Shared>>) -> Response {
+    encode_metrics(&s.public_registry)
+}
+
+fn encode_metrics(registry: &Registry) -> Response {
     let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &s.registry) {
-        Ok(()) => body.into_response(),
+    match prometheus_client::encoding::text::encode(&mut body, registry) {
+        Ok(()) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
     }
+}
+
+/// The sidecar's gauges and counters, registered in both registries (the token only in the
+/// loopback one).
+struct SidecarGauges {
+    leading: Gauge<i64>,
+    token: Gauge<i64>,
+    health_failures: Counter,
+    renewals: crate::metrics::RenewalGauge,
+}
+
+/// The loopback registry, the probe endpoint's registry and the metrics in them. Every series
+/// carries the lease's name (`lease`): one value per sidecar, so bounded.
+fn sidecar_metrics(lease: &str) -> (Registry, Registry, SidecarGauges) {
+    let label = || {
+        std::iter::once((
+            std::borrow::Cow::Borrowed("lease"),
+            std::borrow::Cow::Owned(lease.to_string()),
+        ))
+    };
+    let mut all = Registry::with_labels(label());
+    let mut public = Registry::with_labels(label());
+    let g = SidecarGauges {
+        leading: Gauge::default(),
+        token: Gauge::default(),
+        health_failures: Counter::default(),
+        renewals: crate::metrics::RenewalGauge::default(),
+    };
+    for r in [&mut all, &mut public] {
+        r.register(
+            "fencedlease_sidecar_leading",
+            "1 while this pod leads",
+            g.leading.clone(),
+        );
+        r.register(
+            "fencedlease_sidecar_app_health_failures",
+            "Failed app health checks",
+            g.health_failures.clone(),
+        );
+        g.renewals
+            .register_in(r, "fencedlease_sidecar_last_renewal_timestamp_seconds");
+    }
+    all.register(
+        "fencedlease_sidecar_token",
+        "The fencing token while leading, else 0",
+        g.token.clone(),
+    );
+    (all, public, g)
 }
 
 /// Server-Sent Events: the current status at once, then one event per change, including the
@@ -636,25 +705,14 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         },
     )?;
 
-    let mut registry = Registry::default();
-    let leading = Gauge::<i64>::default();
-    let token_gauge = Gauge::<i64>::default();
-    let health_failures = Counter::default();
-    registry.register(
-        "fencedlease_sidecar_leading",
-        "1 while this pod leads",
-        leading.clone(),
-    );
-    registry.register(
-        "fencedlease_sidecar_token",
-        "The fencing token while leading, else 0",
-        token_gauge.clone(),
-    );
-    registry.register(
-        "fencedlease_sidecar_app_health_failures",
-        "Failed app health checks",
-        health_failures.clone(),
-    );
+    let (registry, public_registry, gauges) = sidecar_metrics(&args.lease);
+    let SidecarGauges {
+        leading,
+        token: token_gauge,
+        health_failures,
+        renewals,
+    } = gauges;
+    renewals.follow(handle.state.clone());
     let shared = Arc::new(Shared {
         lease: args.lease.clone(),
         namespace: args.namespace.clone(),
@@ -663,6 +721,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         ready_only_when_leader: args.ready_only_when_leader,
         app_healthy: AtomicBool::new(true),
         registry: Arc::new(registry),
+        public_registry: Arc::new(public_registry),
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -707,7 +766,9 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     }
 
     let probes = args.probe_listen.map(|addr| {
-        let router = probe_routes().with_state(shared.clone());
+        let router = probe_routes()
+            .route("/metrics", get(public_metrics))
+            .with_state(shared.clone());
         (addr, router)
     });
     let app = Router::new()
@@ -753,7 +814,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         Some((addr, router)) => {
             let l = bind_probe_listener(addr).await?;
             let addr = l.local_addr().unwrap_or(addr);
-            info!(%addr, "probe endpoint (/healthz, /readyz) listening");
+            info!(%addr, "probe endpoint (/healthz, /readyz, /metrics without the token) listening");
             let stop = crate::until_stopped(stop_rx_extra.clone());
             Some(tokio::spawn(serve_probes(
                 l,

@@ -603,3 +603,68 @@ async fn the_sidecar_api_answers_bad_requests_with_4xx() {
         "still serving and leading"
     );
 }
+
+/// The value of the one sample of `metric` in an exposition text (with its `lease` label).
+fn sample(text: &str, metric: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{metric}{{lease=\"db\"}} ")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn the_probe_port_serves_metrics_without_the_token_and_renewals_move_their_gauge() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "sidecar-metrics").await;
+    let dir = scratch_dir("sidecar-metrics");
+    let probe = format!("127.0.0.1:{}", free_port());
+    let a = sidecar(&dir, &ns.name, "db", "pod-a", &["--probe-listen", &probe]);
+    let (_, st) = the_leader(&[&a]).await;
+    let token = st["token"].as_f64().expect("token");
+    let (code, all) = curl(&[&format!("http://127.0.0.1:{}/metrics", a.port)]);
+    assert_eq!(code, 200, "{all}");
+    assert_eq!(
+        sample(&all, "fencedlease_sidecar_token"),
+        Some(token),
+        "{all}"
+    );
+    assert_eq!(
+        sample(&all, "fencedlease_sidecar_leading"),
+        Some(1.0),
+        "{all}"
+    );
+    let (code, public) = curl(&[&format!("http://{probe}/metrics")]);
+    assert_eq!(code, 200, "{public}");
+    assert_eq!(
+        sample(&public, "fencedlease_sidecar_leading"),
+        Some(1.0),
+        "{public}"
+    );
+    assert!(
+        !public.contains("token"),
+        "the probe port's metrics name the token:\n{public}"
+    );
+    // The last renewal is recent, and moves on with the next ones (a 2 s lease is renewed
+    // well within its duration).
+    let renewed = |text: &str| {
+        sample(text, "fencedlease_sidecar_last_renewal_timestamp_seconds").expect("renewal gauge")
+    };
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs_f64()
+    };
+    let first = renewed(&public);
+    assert!(
+        now() - first < 2.0,
+        "last renewal {first} is not within the 2 s lease of now"
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (_, later) = curl(&[&format!("http://{probe}/metrics")]);
+    assert!(
+        renewed(&later) > first,
+        "no renewal in 2.5 s of a 2 s lease:\n{later}"
+    );
+}

@@ -95,6 +95,19 @@ pub struct WebhookArgs {
     /// imagePullPolicy of the injected sidecar.
     #[arg(long, default_value = "IfNotPresent", value_parser = ["Always", "IfNotPresent", "Never"])]
     pub sidecar_image_pull_policy: String,
+    /// `resources` of the injected sidecar, as JSON: requests and/or limits of cpu and memory.
+    /// Default: requests 10m CPU and 16Mi, limits 200m CPU and 64Mi. A CPU limit can throttle
+    /// renewals on a busy node. Pods override entries with fencedlease.io/sidecar-cpu-request,
+    /// -memory-request, -cpu-limit and -memory-limit (a quantity, or `none`).
+    #[arg(long, value_parser = inject::parse_resources)]
+    pub sidecar_resources: Option<serde_json::Value>,
+    /// runAsUser of the injected sidecar, or `none` to leave it to the pod (as OpenShift's
+    /// restricted SCC wants). The sidecar runs as non-root either way.
+    #[arg(long, default_value = "65532", value_parser = parse_run_as_user)]
+    pub sidecar_run_as_user: RunAsUser,
+    /// Log format of the injected sidecar.
+    #[arg(long, value_enum, default_value_t)]
+    pub sidecar_log_format: crate::logging::LogFormat,
     /// A user allowed to update protected objects without a token as long as it leaves their
     /// fencing label and annotations alone (repeat the flag). Given at least once, the list
     /// replaces the default: kube-controller-manager and its controllers' ServiceAccounts in
@@ -105,6 +118,20 @@ pub struct WebhookArgs {
     /// hold all users or ServiceAccounts are refused.
     #[arg(long = "exempt-group")]
     pub exempt_groups: Vec<String>,
+}
+
+/// `--sidecar-run-as-user`: a UID, or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunAsUser(pub Option<i64>);
+
+fn parse_run_as_user(s: &str) -> Result<RunAsUser, String> {
+    if s == "none" {
+        return Ok(RunAsUser(None));
+    }
+    match s.parse::<i64>() {
+        Ok(uid) if uid > 0 => Ok(RunAsUser(Some(uid))),
+        _ => Err("a UID above 0 (the sidecar runs as non-root), or none".into()),
+    }
 }
 
 impl WebhookArgs {
@@ -549,7 +576,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let cert = ReloadingCert::new(first);
     let tls_config =
         Arc::new(tls::server_config(cert.clone()).context("building the TLS configuration")?);
-    tokio::spawn(cert.watch(
+    tokio::spawn(cert.clone().watch(
         files,
         fingerprint,
         Duration::from_secs(args.tls_reload_seconds.max(1)),
@@ -583,6 +610,11 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let mut registry = Registry::default();
     let metrics = WebhookMetrics::register(&mut registry);
+    registry.register(
+        "fencedlease_webhook_certificate_expiry_timestamp_seconds",
+        "When the serving certificate in use expires, in seconds since the Unix epoch (0: unreadable)",
+        cert.not_after_gauge(),
+    );
     let server_metrics = server::ServerMetrics::register(&mut registry);
     let limits = server::Limits::default();
     let budget = server::BodyBudget::new(&limits, &server_metrics);
@@ -593,6 +625,12 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
             image: args.sidecar_image.clone(),
             image_pull_policy: args.sidecar_image_pull_policy.clone(),
             native_sidecars,
+            resources: args
+                .sidecar_resources
+                .clone()
+                .unwrap_or_else(inject::default_resources),
+            run_as_user: args.sidecar_run_as_user.0,
+            log_format: args.sidecar_log_format,
         },
         store: store.clone(),
         metrics,

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use rustls::crypto::ring::default_provider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -81,22 +82,48 @@ pub fn load(files: &CertFiles) -> Result<(CertifiedKey, Vec<u8>), TlsError> {
     Ok((CertifiedKey::new(certs, signing), fingerprint))
 }
 
+/// When the leaf certificate of a chain expires, in seconds since the Unix epoch (None when it
+/// cannot be parsed: rustls then refuses it anyway).
+pub fn not_after_unix(key: &CertifiedKey) -> Option<i64> {
+    let leaf = key.cert.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 /// Serves whatever certificate was loaded last; `watch` replaces it when the files change.
 #[derive(Debug)]
 pub struct ReloadingCert {
     current: RwLock<Arc<CertifiedKey>>,
+    /// The expiry of the certificate being served, for the metric that alerts on it.
+    not_after: Gauge,
 }
 
 impl ReloadingCert {
     pub fn new(first: CertifiedKey) -> Arc<ReloadingCert> {
-        Arc::new(ReloadingCert {
+        let cert = ReloadingCert {
             current: RwLock::new(Arc::new(first)),
-        })
+            not_after: Gauge::default(),
+        };
+        cert.note_expiry();
+        Arc::new(cert)
+    }
+
+    /// A gauge of the serving certificate's expiry (Unix seconds), kept current on reloads.
+    pub fn not_after_gauge(&self) -> Gauge {
+        self.not_after.clone()
+    }
+
+    fn note_expiry(&self) {
+        let cur = self.current.read().unwrap_or_else(|p| p.into_inner());
+        self.not_after.set(not_after_unix(&cur).unwrap_or(0));
     }
 
     fn set(&self, key: CertifiedKey) {
-        let mut cur = self.current.write().unwrap_or_else(|p| p.into_inner());
-        *cur = Arc::new(key);
+        {
+            let mut cur = self.current.write().unwrap_or_else(|p| p.into_inner());
+            *cur = Arc::new(key);
+        }
+        self.note_expiry();
     }
 
     /// Polls the files every `every` and swaps in a new certificate when their content changed.
@@ -225,4 +252,32 @@ pub fn write_atomic(path: &Path, content: &str) -> Result<(), TlsError> {
             path: path.to_path_buf(),
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_expiry_metric_reads_the_served_certificates_not_after() {
+        let g = generate(&["fencedlease-webhook.ns.svc".into()], None).unwrap();
+        let dir = std::env::temp_dir().join(format!("fl-tls-expiry-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = CertFiles {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        };
+        std::fs::write(&files.cert, &g.cert).unwrap();
+        std::fs::write(&files.key, &g.key).unwrap();
+        let (key, _) = load(&files).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let want = serving_not_after()
+            .to_zoned(jiff::tz::TimeZone::UTC)
+            .unwrap()
+            .timestamp()
+            .as_second();
+        assert_eq!(not_after_unix(&key), Some(want));
+        let reloading = ReloadingCert::new(key);
+        assert_eq!(reloading.not_after_gauge().get(), want);
+    }
 }
