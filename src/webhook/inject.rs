@@ -22,6 +22,9 @@ pub const READY_ANNOTATION: &str = "fencedlease.io/ready-only-when-leader";
 pub const HEALTH_ANNOTATION: &str = "fencedlease.io/app-health-url";
 /// `"true"` also runs the Kubernetes API proxy, on the sidecar port plus one.
 pub const PROXY_ANNOTATION: &str = "fencedlease.io/proxy";
+/// The name of the sidecar's probe port (/healthz, /readyz, and /metrics without the token),
+/// which the chart's PodMonitor scrapes.
+pub const PROBE_PORT_NAME: &str = "fencedlease";
 /// Name of the injected container and of the token volume.
 pub const CONTAINER: &str = "fencedlease";
 pub const VOLUME: &str = "fencedlease-token";
@@ -36,6 +39,109 @@ pub struct InjectConfig {
     /// The server runs sidecars natively (1.29 and later: an init container with
     /// `restartPolicy: Always`).
     pub native_sidecars: bool,
+    /// The sidecar's `resources` unless the pod's annotations say otherwise (checked by
+    /// [`parse_resources`]).
+    pub resources: Value,
+    /// The sidecar's `runAsUser`; None leaves it to the pod (OpenShift's restricted SCC assigns
+    /// one from the namespace's range).
+    pub run_as_user: Option<i64>,
+    /// The sidecar's log format.
+    pub log_format: crate::logging::LogFormat,
+}
+
+/// The sidecar's resources when the webhook is given none: small requests, a memory limit, and
+/// a CPU limit of 200m (a CPU limit can throttle renewals on a busy node: the chart drops it).
+pub fn default_resources() -> Value {
+    json!({
+        "requests": {"cpu": "10m", "memory": "16Mi"},
+        "limits": {"cpu": "200m", "memory": "64Mi"},
+    })
+}
+
+/// Per-pod overrides of the sidecar's resources: (annotation, requests|limits, cpu|memory).
+/// The value is a Kubernetes quantity, or `none` to leave that entry out.
+pub const RESOURCE_ANNOTATIONS: [(&str, &str, &str); 4] = [
+    ("fencedlease.io/sidecar-cpu-request", "requests", "cpu"),
+    (
+        "fencedlease.io/sidecar-memory-request",
+        "requests",
+        "memory",
+    ),
+    ("fencedlease.io/sidecar-cpu-limit", "limits", "cpu"),
+    ("fencedlease.io/sidecar-memory-limit", "limits", "memory"),
+];
+
+/// Is `s` a Kubernetes quantity as the sidecar's resources take one: a plain decimal number
+/// with at most one suffix (m, k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei), e.g. `250m`, `64Mi`,
+/// `0.5`? (Exponent forms are refused: nobody writes them here.)
+pub fn is_quantity(s: &str) -> bool {
+    const SUFFIXES: [&str; 13] = [
+        "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m", "k", "M", "G", "T", "P", "E",
+    ];
+    let number = SUFFIXES
+        .iter()
+        .find_map(|suf| s.strip_suffix(suf))
+        .unwrap_or(s);
+    let mut parts = number.splitn(2, '.');
+    let whole = parts.next().unwrap_or("");
+    let frac = parts.next();
+    let digits = |p: &str| !p.is_empty() && p.len() <= 18 && p.bytes().all(|b| b.is_ascii_digit());
+    digits(whole) && frac.is_none_or(digits)
+}
+
+/// Checks `--sidecar-resources`: a JSON object with only `requests` and `limits`, each mapping
+/// `cpu` and/or `memory` to a quantity.
+pub fn parse_resources(raw: &str) -> Result<Value, String> {
+    let v: Value = serde_json::from_str(raw)
+        .map_err(|e| format!("not JSON ({e}); e.g. '{{\"requests\":{{\"cpu\":\"10m\"}}}}'"))?;
+    let obj = v.as_object().ok_or("must be a JSON object")?;
+    for (section, entries) in obj {
+        if section != "requests" && section != "limits" {
+            return Err(format!(
+                "{section:?}: only \"requests\" and \"limits\" are allowed"
+            ));
+        }
+        let entries = entries
+            .as_object()
+            .ok_or_else(|| format!("{section} must be an object"))?;
+        for (name, q) in entries {
+            if name != "cpu" && name != "memory" {
+                return Err(format!("{section}.{name}: only cpu and memory are allowed"));
+            }
+            match q.as_str() {
+                Some(q) if is_quantity(q) => {}
+                _ => {
+                    return Err(format!(
+                        "{section}.{name}: {q} is not a quantity such as \"250m\" or \"64Mi\""
+                    ))
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// The sidecar's resources for this pod: `default`, with each resource annotation the pod has
+/// replacing (or, with `none`, removing) its entry.
+fn sidecar_resources(pod: &PodIn, default: &Value) -> Result<Value, String> {
+    let mut out = default.clone();
+    for (key, section, name) in RESOURCE_ANNOTATIONS {
+        let Some(v) = annotation(pod, key) else {
+            continue;
+        };
+        if v == "none" {
+            if let Some(m) = out.get_mut(section).and_then(Value::as_object_mut) {
+                m.remove(name);
+            }
+        } else if is_quantity(v) {
+            out[section][name] = json!(v);
+        } else {
+            return Err(format!(
+                "fencedlease: annotation {key}={v:?} must be a quantity such as \"250m\" or \"64Mi\", or \"none\""
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// What injection decided.
@@ -372,8 +478,9 @@ pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
             json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("http://127.0.0.1:{pp}")}),
         );
     }
+    let resources = sidecar_resources(pod, &cfg.resources)?;
     Ok(Injection::Inject(Box::new(Additions {
-        sidecar: sidecar(&o, cfg),
+        sidecar: sidecar(&o, cfg, resources),
         native: cfg.native_sidecars,
         env,
         mount: json!({"name": VOLUME, "mountPath": TOKEN_DIR, "readOnly": true}),
@@ -382,7 +489,7 @@ pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
 }
 
 /// The sidecar container.
-fn sidecar(o: &Options, cfg: &InjectConfig) -> Value {
+fn sidecar(o: &Options, cfg: &InjectConfig, resources: Value) -> Value {
     let url = format!("http://127.0.0.1:{}", o.port);
     let mut args = vec![
         "sidecar".to_string(),
@@ -430,19 +537,22 @@ fn sidecar(o: &Options, cfg: &InjectConfig) -> Value {
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": crate::logging::FORMAT_ENV, "value": cfg.log_format.as_str()},
         ],
-        "resources": {
-            "requests": {"cpu": "10m", "memory": "16Mi"},
-            "limits": {"cpu": "200m", "memory": "64Mi"},
-        },
+        "resources": resources,
         "securityContext": {
-            "runAsNonRoot": true, "runAsUser": 65532, "readOnlyRootFilesystem": true,
+            "runAsNonRoot": true, "readOnlyRootFilesystem": true,
             "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": [{"name": VOLUME, "mountPath": TOKEN_DIR}],
+        // Named for the chart's PodMonitor: /metrics there leaves the token out.
+        "ports": [{"name": PROBE_PORT_NAME, "containerPort": o.probe_port, "protocol": "TCP"}],
         "livenessProbe": liveness,
         "readinessProbe": readiness,
     });
+    if let Some(uid) = cfg.run_as_user {
+        sidecar["securityContext"]["runAsUser"] = json!(uid);
+    }
     if cfg.native_sidecars {
         // A native sidecar starts before the app; with a startup probe the kubelet also waits
         // until its endpoints listen (the probe endpoint is bound last), so the app's first
@@ -627,6 +737,9 @@ mod tests {
             image: "fencedlease:0.1.0".into(),
             image_pull_policy: "IfNotPresent".into(),
             native_sidecars: native,
+            resources: default_resources(),
+            run_as_user: Some(65532),
+            log_format: crate::logging::LogFormat::Text,
         }
     }
     /// What `inject` decides for `raw`, the pod as the API server sends it; its patch; and the
@@ -1262,5 +1375,86 @@ mod tests {
             }
             prop_assert_eq!(&out, &by_hand(&raw, &additions));
         }
+    }
+
+    #[test]
+    fn quantities_are_plain_numbers_with_one_suffix() {
+        for ok in ["10m", "250m", "1", "0.5", "64Mi", "1Gi", "2k", "1.5G"] {
+            assert!(is_quantity(ok), "{ok}");
+        }
+        for bad in [
+            "", "m", "Mi", "1.", ".5", "-1", "1e3", "10 m", "1MiB", "1mm", "64mi", "x",
+        ] {
+            assert!(!is_quantity(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_resources_flag_takes_requests_and_limits_of_cpu_and_memory_only() {
+        let ok = parse_resources(
+            r#"{"requests":{"cpu":"10m","memory":"16Mi"},"limits":{"memory":"64Mi"}}"#,
+        );
+        assert_eq!(ok.unwrap()["limits"], json!({"memory": "64Mi"}));
+        for (raw, says) in [
+            ("cpu=10m", "not JSON"),
+            ("[]", "JSON object"),
+            (r#"{"claims":{}}"#, "only \"requests\" and \"limits\""),
+            (r#"{"limits":"64Mi"}"#, "limits must be an object"),
+            (
+                r#"{"limits":{"nvidia.com/gpu":"1"}}"#,
+                "only cpu and memory",
+            ),
+            (r#"{"limits":{"cpu":"lots"}}"#, "not a quantity"),
+            (r#"{"limits":{"cpu":1}}"#, "not a quantity"),
+        ] {
+            let err = parse_resources(raw).unwrap_err();
+            assert!(err.contains(says), "{raw}: {err}");
+        }
+    }
+
+    #[test]
+    fn pods_override_the_sidecars_resources_entry_by_entry() {
+        let p = pod(json!({
+            LEASE_ANNOTATION: "db",
+            "fencedlease.io/sidecar-cpu-limit": "none",
+            "fencedlease.io/sidecar-memory-limit": "128Mi",
+        }));
+        let Ok(Injection::Inject(a)) = inject(&p, &cfg(true)) else {
+            panic!("expected an injection")
+        };
+        assert_eq!(
+            a.sidecar["resources"],
+            json!({"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "128Mi"}})
+        );
+        let bad =
+            pod(json!({LEASE_ANNOTATION: "db", "fencedlease.io/sidecar-cpu-request": "a lot"}));
+        let err = inject(&bad, &cfg(true)).unwrap_err();
+        assert!(
+            err.contains("fencedlease.io/sidecar-cpu-request") && err.contains("quantity"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_sidecars_uid_can_be_left_to_the_pod_and_its_log_format_follows_the_webhooks_flag() {
+        let p = pod(json!({LEASE_ANNOTATION: "db"}));
+        let mut c = cfg(false);
+        c.run_as_user = None;
+        c.log_format = crate::logging::LogFormat::Json;
+        let Ok(Injection::Inject(a)) = inject(&p, &c) else {
+            panic!("expected an injection")
+        };
+        let sc = &a.sidecar["securityContext"];
+        assert!(sc.get("runAsUser").is_none(), "{sc}");
+        assert_eq!(sc["runAsNonRoot"], json!(true));
+        let env = a.sidecar["env"].as_array().unwrap();
+        assert!(
+            env.contains(&json!({"name": "FENCEDLEASE_LOG_FORMAT", "value": "json"})),
+            "{env:?}"
+        );
+        let Ok(Injection::Inject(d)) = inject(&p, &cfg(false)) else {
+            panic!("expected an injection")
+        };
+        assert_eq!(d.sidecar["securityContext"]["runAsUser"], json!(65532));
     }
 }
