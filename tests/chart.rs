@@ -305,12 +305,12 @@ fn rendered_objects_follow_the_design() {
         .map(|u| format!("--exempt-user={u}"))
         .collect();
     assert_eq!(
-        webhook[13..],
+        webhook[16..],
         exempt[..],
         "the chart's fencing.exemptUsers differ from the webhook's DEFAULT_EXEMPT_USERS"
     );
     assert_eq!(
-        webhook[..13],
+        webhook[..16],
         [
             "webhook",
             "--listen",
@@ -324,14 +324,17 @@ fn rendered_objects_follow_the_design() {
             "--sidecar-image",
             "fencedlease:0.1.0",
             "--sidecar-image-pull-policy",
-            "Never"
+            "IfNotPresent",
+            r#"--sidecar-resources={"limits":{"memory":"64Mi"},"requests":{"cpu":"10m","memory":"16Mi"}}"#,
+            "--sidecar-run-as-user=65532",
+            "--sidecar-log-format=text",
         ]
     );
     for pod in [controller_pod, webhook_pod] {
         let c = &pod["containers"][0];
         let sc = &c["securityContext"];
         assert_eq!(c["image"], "fencedlease:0.1.0");
-        assert_eq!(c["imagePullPolicy"], "Never");
+        assert_eq!(c["imagePullPolicy"], "IfNotPresent");
         assert_eq!(sc["runAsNonRoot"], true);
         assert_eq!(sc["runAsUser"], 65532);
         assert_eq!(sc["readOnlyRootFilesystem"], true);
@@ -349,7 +352,9 @@ fn rendered_objects_follow_the_design() {
             .map(|e| e["name"].as_str().expect("env name"))
             .collect();
         assert!(
-            env.contains(&"POD_NAME") && env.contains(&"POD_NAMESPACE"),
+            env.contains(&"POD_NAME")
+                && env.contains(&"POD_NAMESPACE")
+                && env.contains(&"FENCEDLEASE_LOG_FORMAT"),
             "{env:?}"
         );
         assert_eq!(
@@ -469,7 +474,13 @@ fn rendered_objects_follow_the_design() {
         hook["clientConfig"].get("caBundle").is_none(),
         "caBundle must not be rendered"
     );
-    assert_eq!(hook["namespaceSelector"], serde_json::json!({}));
+    // kube-system and the release's namespace are never fenced.
+    assert_eq!(
+        hook["namespaceSelector"],
+        serde_json::json!({"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "ops"]
+        }]})
+    );
     assert_eq!(
         hook["objectSelector"],
         serde_json::json!({"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]})
@@ -838,12 +849,25 @@ async fn every_rendered_object_is_accepted_by_the_server() {
     // `--dry-run=server` gives the templates the server's real capabilities. (It would check
     // Helm ownership of the already installed CRD with --include-crds, so the chart's CRD file
     // is added to what kubectl checks by hand.)
+    // Every optional part the server can check (the Prometheus operator's kinds are not
+    // installed here: tests/chart_observability.rs checks those with promtool).
+    let digest = format!("image.digest=sha256:{}", "0".repeat(64));
     let mut rendered = release.run(
         "template",
         &[
             "--dry-run=server",
             "--set",
             "networkPolicy.enabled=true,metrics.serviceMonitor.enabled=true",
+            "--set",
+            "metrics.dashboard.enabled=true,logFormat=json,podSecurityContext.runAsUser=null",
+            "--set",
+            "containerSecurityContext.runAsUser=null,injection.sidecar.runAsUser=null",
+            "--set",
+            &digest,
+            "--set-json",
+            r#"topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"topology.kubernetes.io/zone","whenUnsatisfiable":"ScheduleAnyway"}]"#,
+            "--set-json",
+            r#"extraEnv=[{"name":"HTTPS_PROXY","value":"http://proxy.example:3128"}]"#,
         ],
     );
     // The chart's CRD from 1.25; before, the one users apply there instead (crds/pre-1.25/).
@@ -881,6 +905,7 @@ async fn every_rendered_object_is_accepted_by_the_server() {
         "ValidatingWebhookConfiguration",
         "MutatingWebhookConfiguration",
         "NetworkPolicy",
+        "ConfigMap",
     ] {
         assert!(
             !find(&docs, kind).is_empty(),

@@ -158,6 +158,9 @@ impl Release {
             format!("injection.namespaceSelector={selector}"),
             "--set".into(),
             format!("sidecarRole.name={}", self.sidecar_role()),
+            // The tests protect objects in the release's own namespace.
+            "--set".into(),
+            "fencing.excludeReleaseNamespace=false".into(),
         ]
     }
 

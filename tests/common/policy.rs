@@ -50,6 +50,9 @@ pub fn render_policy(release: &str, ns: &str) -> String {
         ns,
         "--set",
         "fencing.mode=policy",
+        // The tests protect objects in the release's own namespace.
+        "--set",
+        "fencing.excludeReleaseNamespace=false",
         "--set-json",
         &format!("fencing.namespaceSelector={selector}"),
         "--api-versions",

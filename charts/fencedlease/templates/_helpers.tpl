@@ -152,7 +152,11 @@ it keeps. A DNS label (no dots): the controller refuses other names. */}}
 {{- end -}}
 
 {{- define "fencedlease.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Fails rendering early, with a message, on combinations the schema cannot express. */}}
@@ -195,19 +199,15 @@ it keeps. A DNS label (no dots): the controller refuses other names. */}}
       fieldPath: metadata.namespace
 - name: RUST_LOG
   value: {{ .Values.logLevel | quote }}
+- name: FENCEDLEASE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "fencedlease.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
-readOnlyRootFilesystem: true
-allowPrivilegeEscalation: false
-privileged: false
-capabilities:
-  drop: ["ALL"]
-seccompProfile:
-  type: RuntimeDefault
+{{- toYaml .Values.containerSecurityContext -}}
 {{- end -}}
 
 {{/* Pod template metadata of one component: (dict "root" $ "component" "controller"|"webhook"). */}}
@@ -239,12 +239,13 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 securityContext:
-  runAsNonRoot: true
-  runAsUser: 65532
-  runAsGroup: 65532
-  fsGroup: 65532
-  seccompProfile:
-    type: RuntimeDefault
+  {{- toYaml $v.podSecurityContext | nindent 2 }}
+{{- with $v.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- range . }}
+  - {{- toYaml (merge (deepCopy .) (dict "labelSelector" (dict "matchLabels" (fromYaml (include "fencedlease.componentSelectorLabels" $))))) | nindent 4 }}
+  {{- end }}
+{{- end }}
 {{- with $v.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
@@ -340,4 +341,26 @@ empty lease label as none, and tells an absent annotation from an empty one.
 {{- $same = append $same (printf "%s == %s" (include "fencedlease.celEntry" (list "object" "annotations" .)) (include "fencedlease.celEntry" (list "oldObject" "annotations" .))) -}}
 {{- end -}}
 {{ join " && " $same }}
+{{- end -}}
+
+{{/*
+The namespaceSelector of the fencing webhooks and policy: fencing.namespaceSelector, with the
+excluded namespaces (fencing.excludeNamespaces, and the release's own unless
+fencing.excludeReleaseNamespace is false) added as a NotIn on kubernetes.io/metadata.name.
+*/}}
+{{- define "fencedlease.fencingNamespaceSelector" -}}
+{{- $sel := deepCopy (.Values.fencing.namespaceSelector | default dict) -}}
+{{- $excluded := list -}}
+{{- range .Values.fencing.excludeNamespaces -}}
+{{- $excluded = append $excluded . -}}
+{{- end -}}
+{{- if .Values.fencing.excludeReleaseNamespace -}}
+{{- $excluded = append $excluded .Release.Namespace -}}
+{{- end -}}
+{{- if $excluded -}}
+{{- $exprs := get $sel "matchExpressions" | default list -}}
+{{- $not := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" ($excluded | uniq) -}}
+{{- $_ := set $sel "matchExpressions" (append $exprs $not) -}}
+{{- end -}}
+{{- toYaml $sel -}}
 {{- end -}}
