@@ -65,11 +65,12 @@ class Client:
 
     # -- the API ---------------------------------------------------------------------------
 
-    def status(self) -> Status:
+    def status(self, *, timeout: Optional[float] = None) -> Status:
         """``GET /v1/status``. The result's ``valid_until`` is the monotonic deadline until which
-        the sidecar vouched for leadership, counted from when this request was sent."""
+        the sidecar vouched for leadership, counted from when this request was sent.
+        ``timeout`` overrides the client's for this call."""
         sent = now()
-        code, body = self._request("GET", "/v1/status")
+        code, body = self._request("GET", "/v1/status", timeout)
         if code != 200:
             raise self._unexpected("/v1/status", code, body)
         return Status.from_json(self._json("/v1/status", body), self._where("/v1/status"), sent)
@@ -154,8 +155,9 @@ class Client:
             conn.close()
             raise _translate(e, where, timeout) from e
 
-    def _request(self, method: str, path: str) -> Tuple[int, bytes]:
-        conn, resp = self._open(method, path, self.timeout)
+    def _request(self, method: str, path: str, timeout: Optional[float] = None) -> Tuple[int, bytes]:
+        timeout = self.timeout if timeout is None else timeout
+        conn, resp = self._open(method, path, timeout)
         where = self._where(path)
         try:
             length = resp.getheader("Content-Length")
@@ -171,7 +173,7 @@ class Client:
         except (ProtocolError, SidecarUnavailable):
             raise
         except BaseException as e:
-            raise _translate(e, where, self.timeout) from e
+            raise _translate(e, where, timeout) from e
         finally:
             resp.close()
             conn.close()

@@ -237,7 +237,10 @@ class leading:
                 lead._lose("the sidecar's last confirmation of leadership ran out before a new one arrived")
                 return
             try:
-                lead._judge(self.client.status())
+                # Bounded by the time left: a sidecar that does not answer must not hold this
+                # thread past the deadline it is here to notice.
+                left = lead.time_left()
+                lead._judge(self.client.status(timeout=max(0.05, min(self.client.timeout, left))))
             except FencedLeaseError:
                 pass  # the deadline decides; the watch reports a broken sidecar too
 
