@@ -137,7 +137,8 @@ class Story(unittest.TestCase):
             self.b.token()
         self.assertEqual(cm.exception.holder, self.a_id)
         self.assertFalse(self.b.status().leading)
-        self.assertEqual(read_token_files(ENV["FL_PY_LEADER_TOKEN_DIR"]), want)
+        # The sidecar writes its files right after its state changes, not with it: a moment.
+        eventually("pod-a's token files", lambda: read_token_files(ENV["FL_PY_LEADER_TOKEN_DIR"]) == want, 2)
         self.assertIsNone(read_token_files(ENV["FL_PY_FOLLOWER_TOKEN_DIR"]))
         self.state["t1"] = want
 
