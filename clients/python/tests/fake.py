@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 
 class Request:

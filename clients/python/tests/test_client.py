@@ -1,7 +1,6 @@
 """Client against a fake sidecar: parsing, errors with advice, bounded reads, and the watch
 stream's edge cases (split chunks, comments, disconnects and reconnects, silence)."""
 
-import json
 import os
 import socket
 import threading
