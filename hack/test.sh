@@ -40,6 +40,8 @@ log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
 log "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
+log "Python client unit tests (clients/python; tests/client_python.rs runs it against real sidecars)"
+PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tests -t clients/python
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
 if ! cargo test --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
