@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 
 /// API group of every fencedlease resource.
 pub const GROUP: &str = "fencedlease.io";
+/// The field manager of the controller's writes (server-side apply, status patches), also its
+/// `app.kubernetes.io/managed-by` value on what it creates.
+pub const FIELD_MANAGER: &str = "fencedlease-controller";
 /// Default `spec.leaseDurationSeconds`.
 pub const DEFAULT_LEASE_DURATION_SECONDS: i32 = 15;
 /// Bounds of `spec.leaseDurationSeconds`, enforced by the CRD schema.

@@ -115,7 +115,7 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
             secret.data = Some(data);
             // Owned by the webhook Service, so that uninstalling the operator removes it.
             secret.metadata.owner_references =
-                crate::controller::service_owner(client, &cfg.namespace, &cfg.service)
+                crate::owners::service_owner(client, &cfg.namespace, &cfg.service)
                     .await?
                     .map(|o| vec![o]);
             match existing {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, instrument, warn};
 
-use crate::api::{Condition, FencedLease};
+use crate::api::{Condition, FencedLease, FIELD_MANAGER};
 use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
@@ -31,8 +31,6 @@ use crate::lease::rules::{
 use crate::lease::Revocation;
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
 use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE, ROLE_LABEL};
-
-pub const FIELD_MANAGER: &str = "fencedlease-controller";
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -1035,26 +1033,6 @@ async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
     }
 }
 
-/// An owner reference to the Service `name` in `namespace`, if it exists: the webhook Service
-/// owns what the operator creates at run time (the certificate Secret, the election lease), so
-/// that uninstalling removes those too.
-pub async fn service_owner(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-) -> Result<Option<OwnerReference>, kube::Error> {
-    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    Ok(services.get_opt(name).await?.and_then(|svc| {
-        svc.metadata.uid.map(|uid| OwnerReference {
-            api_version: "v1".into(),
-            kind: "Service".into(),
-            name: name.to_string(),
-            uid,
-            ..OwnerReference::default()
-        })
-    }))
-}
-
 /// Gives an election lease created without an owner (by an earlier version) its owner. A
 /// metadata change: the generation, so the token, stays.
 async fn adopt_election_lease(
@@ -1133,17 +1111,19 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     ));
 
     let owner = match &args.election_owner_service {
-        Some(service) => match service_owner(&client, &args.election_namespace, service).await {
-            Ok(Some(owner)) => Some(owner),
-            Ok(None) => {
-                warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
-                None
+        Some(service) => {
+            match crate::owners::service_owner(&client, &args.election_namespace, service).await {
+                Ok(Some(owner)) => Some(owner),
+                Ok(None) => {
+                    warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
+                    None
+                }
+                Err(e) => {
+                    warn!(%service, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on that Service): the lease will outlive the operator");
+                    None
+                }
             }
-            Err(e) => {
-                warn!(%service, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on that Service): the lease will outlive the operator");
-                None
-            }
-        },
+        }
         None => None,
     };
     let (elector, handle) = Elector::new(

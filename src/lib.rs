@@ -17,6 +17,7 @@ pub mod holder;
 pub mod lease;
 pub mod logging;
 pub mod metrics;
+pub mod owners;
 pub mod plugin;
 pub mod pods;
 pub mod policy;

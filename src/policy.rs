@@ -98,7 +98,7 @@ pub fn binding_for(
             "name": binding_name(policy, ns, lease),
             "labels": {
                 POLICY_LABEL: policy_hash(policy),
-                "app.kubernetes.io/managed-by": crate::controller::FIELD_MANAGER,
+                "app.kubernetes.io/managed-by": crate::api::FIELD_MANAGER,
             },
         },
         "spec": {
@@ -231,7 +231,7 @@ impl Bindings {
         if self.applied().contains(&bname) {
             return Ok(());
         }
-        let pp = PatchParams::apply(crate::controller::FIELD_MANAGER).force();
+        let pp = PatchParams::apply(crate::api::FIELD_MANAGER).force();
         self.api.patch(&bname, &pp, &Patch::Apply(&b)).await?;
         info!(binding = %bname, lease = %format!("{ns}/{name}"), "the fencing policy now judges this lease's objects");
         self.applied().insert(bname);
