@@ -79,8 +79,12 @@ func (f TokenFiles) read(name string) (string, error) {
 	path := filepath.Join(f.Dir, name)
 	file, err := os.Open(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		if _, derr := os.Stat(f.Dir); derr != nil {
-			return "", fmt.Errorf("fencedlease: the token folder %s cannot be read (%v): mount the sidecar's token volume into this container, or set $%s", f.Dir, derr, TokenFileEnv)
+		if _, derr := os.Stat(f.Dir); errors.Is(derr, fs.ErrNotExist) {
+			// A sidecar that never led has not created its --token-dir yet; in an injected
+			// pod the folder is a mounted volume, so its absence there is a missing mount.
+			return "", &NotLeadingError{Source: "the token files in " + f.Dir + ", a folder that does not exist: the sidecar creates it when it first leads (in an injected pod, mount the sidecar's token volume, or set $" + TokenFileEnv + ")"}
+		} else if derr != nil {
+			return "", fmt.Errorf("fencedlease: the token folder %s cannot be read: %w", f.Dir, derr)
 		}
 		return "", &NotLeadingError{Source: "the token files in " + f.Dir}
 	}
