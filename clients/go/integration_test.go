@@ -292,9 +292,12 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	if !errors.As(err, &nl) || nl.Holder != st.Identity {
 		t.Fatalf("the follower's Token: %v", err)
 	}
-	if ft, err := (TokenFiles{Dir: e.tokenDirs[li]}).Token(ctx); err != nil || ft != tok {
-		t.Fatalf("the leader's token files: %+v %v", ft, err)
-	}
+	// The sidecar writes the files just after its state changes: give it a moment.
+	var ft Token
+	waitFor(t, 2*time.Second, "the leader's token files to hold its token", func() bool {
+		ft, err = (TokenFiles{Dir: e.tokenDirs[li]}).Token(ctx)
+		return err == nil && ft == tok
+	})
 	if _, err := (TokenFiles{Dir: e.tokenDirs[1-li]}).Token(ctx); !errors.Is(err, ErrNotLeading) {
 		t.Fatalf("the follower's token files: %v", err)
 	}
