@@ -99,11 +99,11 @@ type NotLeadingError struct {
 }
 
 func (e *NotLeadingError) Error() string {
-	who := "nobody holds it, or the sidecar does not know the holder yet"
+	who := "no holder known"
 	if e.Holder != "" {
 		who = "it is held by " + strconv.Quote(e.Holder)
 	}
-	return fmt.Sprintf("fencedlease: this pod does not lead the lease (%s, says %s): do not write to protected objects; wait for leadership (Client.Watch or Runnable)", who, e.Source)
+	return fmt.Sprintf("fencedlease: this pod does not lead the lease (%s; from %s): do not write to protected objects; wait for leadership (Client.Watch or Runnable)", who, e.Source)
 }
 
 // Is makes errors.Is(err, ErrNotLeading) true.

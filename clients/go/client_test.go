@@ -42,7 +42,7 @@ func TestStatusAndToken(t *testing.T) {
 	}
 	f.set(followingStatus(""))
 	_, err = f.client.Token(ctx)
-	if !errors.As(err, &nl) || nl.Holder != "" || !strings.Contains(err.Error(), "nobody holds it") {
+	if !errors.As(err, &nl) || nl.Holder != "" || !strings.Contains(err.Error(), "no holder known") {
 		t.Fatalf("no holder: %v", err)
 	}
 }
