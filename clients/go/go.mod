@@ -1,0 +1,3 @@
+module github.com/fencedlease/fencedlease/clients/go
+
+go 1.24

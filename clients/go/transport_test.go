@@ -1,0 +1,292 @@
+package fencedlease
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// apiServer records what reaches it and answers 200.
+type apiServer struct {
+	mu   sync.Mutex
+	reqs []recorded
+	srv  *httptest.Server
+}
+
+type recorded struct {
+	method, path, contentType string
+	body                      []byte
+}
+
+func newAPIServer(t *testing.T) *apiServer {
+	a := &apiServer{}
+	a.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		a.mu.Lock()
+		a.reqs = append(a.reqs, recorded{r.Method, r.URL.Path, r.Header.Get("Content-Type"), b})
+		a.mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte(`{}`))
+	}))
+	t.Cleanup(a.srv.Close)
+	return a
+}
+
+func (a *apiServer) received() []recorded {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]recorded(nil), a.reqs...)
+}
+
+// countingSource hands out tok (or err), counting the calls.
+type countingSource struct {
+	mu    sync.Mutex
+	tok   Token
+	err   error
+	calls int
+}
+
+func (s *countingSource) Token(context.Context) (Token, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.calls++
+	return s.tok, s.err
+}
+
+func send(t *testing.T, c *http.Client, url, method, ct, body string) (*http.Response, error) {
+	t.Helper()
+	var r io.Reader
+	if body != "" {
+		r = strings.NewReader(body)
+	}
+	req, err := http.NewRequest(method, url, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ct != "" {
+		req.Header.Set("Content-Type", ct)
+	}
+	resp, err := c.Do(req)
+	if err == nil {
+		resp.Body.Close()
+	}
+	return resp, err
+}
+
+func annotations(t *testing.T, body []byte) map[string]any {
+	t.Helper()
+	var v map[string]any
+	if err := json.Unmarshal(body, &v); err != nil {
+		t.Fatalf("the stamped body is not JSON: %v: %s", err, body)
+	}
+	meta, _ := v["metadata"].(map[string]any)
+	ann, _ := meta["annotations"].(map[string]any)
+	if ann == nil {
+		t.Fatalf("no annotations in %s", body)
+	}
+	return ann
+}
+
+func TestTransportStampsEveryBodyKindTheProxyStamps(t *testing.T) {
+	api := newAPIServer(t)
+	src := &countingSource{tok: Token{Value: 9, LeaseUID: "uid-9"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	cm := api.srv.URL + "/api/v1/namespaces/ns/configmaps"
+	for _, tc := range []struct{ method, ct, body string }{
+		{"POST", "application/json", `{"metadata":{"name":"a","labels":{"fencedlease.io/lease":"db"}},"data":{"n":"1"}}`},
+		{"POST", "", `{"kind":"ConfigMap"}`},
+		{"PUT", "application/json; charset=utf-8", `{"metadata":{"name":"a","annotations":null}}`},
+		{"PATCH", "application/merge-patch+json", `{"data":{"n":"2"}}`},
+		{"PATCH", "application/strategic-merge-patch+json", `{"metadata":{"annotations":{"keep":"me","fencedlease.io/token":"1","fencedlease.io/write-id":"old"}}}`},
+	} {
+		if _, err := send(t, c, cm+"/a", tc.method, tc.ct, tc.body); err != nil {
+			t.Fatalf("%s %s: %v", tc.method, tc.ct, err)
+		}
+	}
+	got := api.received()
+	if len(got) != 5 || src.calls != 5 {
+		t.Fatalf("%d requests reached the server, %d tokens asked for", len(got), src.calls)
+	}
+	ids := map[string]bool{}
+	for i, r := range got {
+		ann := annotations(t, r.body)
+		if ann[TokenAnnotation] != "9" || ann[LeaseUIDAnnotation] != "uid-9" {
+			t.Errorf("request %d: %v", i, ann)
+		}
+		id, _ := ann[WriteIDAnnotation].(string)
+		if !strings.HasPrefix(id, "9-") || id == "old" {
+			t.Errorf("request %d: write id %q", i, id)
+		}
+		ids[id] = true
+	}
+	if len(ids) != 5 {
+		t.Fatalf("write ids repeat: %v", ids)
+	}
+	// Everything else is as the app sent it.
+	var first map[string]any
+	_ = json.Unmarshal(got[0].body, &first)
+	if first["data"].(map[string]any)["n"] != "1" || first["metadata"].(map[string]any)["labels"].(map[string]any)[LeaseLabel] != "db" {
+		t.Fatalf("the body lost fields: %s", got[0].body)
+	}
+	if ann := annotations(t, got[4].body); ann["keep"] != "me" {
+		t.Fatalf("the app's own annotations must stay: %v", ann)
+	}
+	if got[2].contentType != "application/json; charset=utf-8" || got[3].contentType != "application/merge-patch+json" {
+		t.Fatalf("content types must pass unchanged: %q %q", got[2].contentType, got[3].contentType)
+	}
+}
+
+func TestStampKeepsNumbersExact(t *testing.T) {
+	out, err := stamp([]byte(`{"spec":{"big":9007199254740993,"f":1.50},"metadata":{"name":"x"}}`), Token{Value: 3, LeaseUID: "u"}, "w")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Contains(out, []byte(`"big":9007199254740993`)) || !bytes.Contains(out, []byte(`"f":1.50`)) {
+		t.Fatalf("numbers changed: %s", out)
+	}
+}
+
+func TestTransportRefusesWhatItCannotStampUnsent(t *testing.T) {
+	api := newAPIServer(t)
+	src := &countingSource{tok: Token{Value: 9, LeaseUID: "uid-9"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	url := api.srv.URL + "/api/v1/namespaces/ns/configmaps/a"
+	for _, tc := range []struct{ name, method, ct, body, why string }{
+		{"json patch", "PATCH", "application/json-patch+json", `[{"op":"add","path":"/data/x","value":"1"}]`, "JSON patches"},
+		{"server-side apply", "PATCH", "application/apply-patch+yaml", "metadata: {name: a}", "server-side apply"},
+		{"protobuf", "POST", "application/vnd.kubernetes.protobuf", "k8s\x00", "not protobuf"},
+		{"yaml", "PUT", "application/yaml", "metadata: {name: a}", "application/json"},
+		{"not json", "POST", "application/json", `{"metadata":`, "not a JSON object"},
+		{"an array", "POST", "application/json", `[]`, "not a JSON object"},
+		{"a number", "PUT", "application/json", `3`, "not a JSON object"},
+		{"null", "PUT", "application/json", `null`, "not a JSON object"},
+		{"empty", "POST", "application/json", ``, "not a JSON object"},
+		{"metadata a number", "POST", "application/json", `{"metadata":3}`, "metadata is not an object"},
+		{"metadata null", "PATCH", "application/merge-patch+json", `{"metadata":null}`, "metadata is not an object"},
+		{"annotations a list", "POST", "application/json", `{"metadata":{"annotations":[]}}`, "annotations is not an object"},
+		{"bad content type", "POST", "application/json; =", `{}`, "cannot be parsed"},
+		{"too large", "POST", "application/json", `{"data":{"x":"` + strings.Repeat("x", MaxStampBodyBytes) + `"}}`, "larger than"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := send(t, c, url, tc.method, tc.ct, tc.body)
+			var ue *UnstampableError
+			if !errors.As(err, &ue) || !strings.Contains(err.Error(), tc.why) || !strings.Contains(err.Error(), "not sent") {
+				t.Fatalf("want an UnstampableError saying %q, got %v", tc.why, err)
+			}
+		})
+	}
+	t.Run("gzip", func(t *testing.T) {
+		req, _ := http.NewRequest("POST", url, strings.NewReader("\x1f\x8b"))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Content-Encoding", "gzip")
+		_, err := c.Do(req)
+		var ue *UnstampableError
+		if !errors.As(err, &ue) || !strings.Contains(err.Error(), "compressed") {
+			t.Fatalf("%v", err)
+		}
+	})
+	if n := len(api.received()); n != 0 {
+		t.Fatalf("%d refused writes reached the server", n)
+	}
+}
+
+func TestTransportRefusesWritesWhileNotLeadingAndPassesReads(t *testing.T) {
+	api := newAPIServer(t)
+	src := &countingSource{err: &NotLeadingError{Holder: "pod-b", Source: "test"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	url := api.srv.URL + "/api/v1/namespaces/ns/configmaps/a"
+	for m, ct := range map[string]string{"POST": "application/json", "PUT": "application/json", "PATCH": "application/merge-patch+json", "DELETE": ""} {
+		_, err := send(t, c, url, m, ct, `{}`)
+		if !errors.Is(err, ErrNotLeading) || !strings.Contains(err.Error(), "not sent") || !strings.Contains(err.Error(), "pod-b") {
+			t.Fatalf("%s while not leading: %v", m, err)
+		}
+	}
+	if n := len(api.received()); n != 0 {
+		t.Fatalf("%d writes reached the server while not leading", n)
+	}
+	calls := src.calls
+	for _, m := range []string{"GET", "HEAD", "OPTIONS"} {
+		if _, err := send(t, c, url+"?watch=true", m, "", ""); err != nil {
+			t.Fatalf("%s must pass while not leading: %v", m, err)
+		}
+	}
+	if src.calls != calls {
+		t.Fatal("reads must not ask for the token")
+	}
+	if n := len(api.received()); n != 3 {
+		t.Fatalf("%d reads reached the server", n)
+	}
+	// A DELETE while leading passes with its body as it was (deletes carry no annotations;
+	// the webhook does not fence them).
+	src.mu.Lock()
+	src.err, src.tok = nil, Token{Value: 4, LeaseUID: "u"}
+	src.mu.Unlock()
+	del := `{"kind":"DeleteOptions","propagationPolicy":"Background"}`
+	if _, err := send(t, c, url, "DELETE", "application/json", del); err != nil {
+		t.Fatal(err)
+	}
+	got := api.received()
+	if last := got[len(got)-1]; last.method != "DELETE" || string(last.body) != del {
+		t.Fatalf("the DELETE changed: %+v", last)
+	}
+}
+
+// A base transport that retries with GetBody, as net/http does on a dropped connection, sees
+// the stamped body again.
+func TestTransportStampedBodyCanBeResent(t *testing.T) {
+	var bodies []string
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		b, _ := io.ReadAll(r.Body)
+		bodies = append(bodies, string(b))
+		again, err := r.GetBody()
+		if err != nil {
+			return nil, err
+		}
+		b, _ = io.ReadAll(again)
+		bodies = append(bodies, string(b))
+		if r.ContentLength != int64(len(b)) {
+			t.Errorf("ContentLength %d for a body of %d", r.ContentLength, len(b))
+		}
+		return &http.Response{StatusCode: 200, Body: io.NopCloser(strings.NewReader("")), Request: r}, nil
+	})
+	tr := &Transport{Source: &countingSource{tok: Token{Value: 2, LeaseUID: "u"}}, Base: base}
+	req, _ := http.NewRequest("POST", "http://api/x", strings.NewReader(`{}`))
+	orig := req.Body
+	if _, err := tr.RoundTrip(req); err != nil {
+		t.Fatal(err)
+	}
+	if len(bodies) != 2 || bodies[0] != bodies[1] || !strings.Contains(bodies[0], WriteIDAnnotation) {
+		t.Fatalf("%q", bodies)
+	}
+	if req.Body != orig {
+		t.Fatal("RoundTrip must not modify the caller's request")
+	}
+}
+
+func TestTransportWithTheSidecarAsSource(t *testing.T) {
+	f := newFakeSidecar(t, leadingStatus(11, "uid-11", 5*time.Second))
+	api := newAPIServer(t)
+	c := &http.Client{Transport: &Transport{Source: f.client}}
+	if _, err := send(t, c, api.srv.URL+"/api/v1/namespaces/ns/configmaps", "POST", "application/json", `{}`); err != nil {
+		t.Fatal(err)
+	}
+	if ann := annotations(t, api.received()[0].body); ann[TokenAnnotation] != "11" {
+		t.Fatalf("%v", ann)
+	}
+	f.set(followingStatus("pod-b"))
+	if _, err := send(t, c, api.srv.URL+"/api/v1/namespaces/ns/configmaps", "POST", "application/json", `{}`); !errors.Is(err, ErrNotLeading) {
+		t.Fatalf("the token is asked for every write: %v", err)
+	}
+}
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
