@@ -13,8 +13,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use common::procs::{scratch_dir, spawn_fencedlease, Proc};
-use common::webhook::{free_ports, Webhook};
+use common::procs::scratch_dir;
+use common::sidecars::{sidecar, Sidecar};
+use common::webhook::Webhook;
 use common::{client, ensure_crd, kubectl, repo_root, TestNamespace};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -22,41 +23,6 @@ use nix::unistd::Pid;
 const LEASE: &str = "db";
 /// Compiling the Go test on a busy 2-core machine included.
 const GO_TEST_TIMEOUT: Duration = Duration::from_secs(300);
-
-struct Sidecar {
-    proc: Proc,
-    url: String,
-    token_dir: PathBuf,
-}
-
-fn sidecar(dir: &Path, ns: &str, identity: &str, port: u16) -> Sidecar {
-    let token_dir = dir.join(format!("{identity}-token"));
-    let listen = format!("127.0.0.1:{port}");
-    let proc = spawn_fencedlease(
-        identity,
-        dir,
-        &[
-            "sidecar",
-            "--lease",
-            LEASE,
-            "--namespace",
-            ns,
-            "--identity",
-            identity,
-            "--listen",
-            &listen,
-            "--lease-duration",
-            "2",
-            "--token-dir",
-            token_dir.to_str().expect("utf-8"),
-        ],
-    );
-    Sidecar {
-        proc,
-        url: format!("http://{listen}"),
-        token_dir,
-    }
-}
 
 /// The API server's address, CA file and bearer token file, from the test kubeconfig (the
 /// Go test uses the standard library only, so it cannot read a kubeconfig).
@@ -114,10 +80,9 @@ async fn the_go_client_library_works_against_real_sidecars_and_the_webhook() {
     let ns = TestNamespace::new(&client, "client-go").await;
     let dir = scratch_dir("client-go");
     let _wh = Webhook::start(&client, &dir, &ns.name).await;
-    let ports = free_ports(2);
     let cars = [
-        sidecar(&dir, &ns.name, "pod-a", ports[0]),
-        sidecar(&dir, &ns.name, "pod-b", ports[1]),
+        sidecar(&dir, &ns.name, LEASE, "pod-a", &[]),
+        sidecar(&dir, &ns.name, LEASE, "pod-b", &[]),
     ];
     let access = kube_access(&dir);
     let control = dir.join("control");

@@ -11,12 +11,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::procs::{scratch_dir, spawn_fencedlease, Proc};
-use common::webhook::{free_port, Webhook};
+use common::procs::scratch_dir;
+use common::sidecars::sidecar;
+use common::webhook::Webhook;
 use common::{client, ensure_crd, eventually, kubeconfig_path, repo_root, TestNamespace};
 use fencedlease::api::FencedLease;
 use fencedlease::fencing::{
@@ -29,63 +30,6 @@ use serde_json::{json, Value};
 const LEASE: &str = "orders";
 /// The Python run's limit; its own waits are a few seconds each.
 const PYTHON_TIMEOUT: Duration = Duration::from_secs(180);
-
-struct Sidecar {
-    proc: Proc,
-    identity: String,
-    url: String,
-    token_dir: PathBuf,
-}
-
-fn sidecar(dir: &Path, ns: &str, identity: &str) -> Sidecar {
-    let port = free_port();
-    let token_dir = dir.join(format!("{identity}-token"));
-    let listen = format!("127.0.0.1:{port}");
-    let proc = spawn_fencedlease(
-        identity,
-        dir,
-        &[
-            "sidecar",
-            "--lease",
-            LEASE,
-            "--namespace",
-            ns,
-            "--identity",
-            identity,
-            "--listen",
-            &listen,
-            "--lease-duration",
-            "2",
-            "--token-dir",
-            token_dir.to_str().expect("utf-8"),
-        ],
-    );
-    Sidecar {
-        proc,
-        identity: identity.to_string(),
-        url: format!("http://{listen}"),
-        token_dir,
-    }
-}
-
-impl Sidecar {
-    /// `/v1/status` (through curl, as tests/sidecar.rs does), None while it does not answer.
-    fn status(&self) -> Option<Value> {
-        let out = Command::new("curl")
-            .args([
-                "-fsS",
-                "--max-time",
-                "2",
-                &format!("{}/v1/status", self.url),
-            ])
-            .output()
-            .expect("curl must be installed");
-        out.status
-            .success()
-            .then(|| serde_json::from_slice(&out.stdout).ok())
-            .flatten()
-    }
-}
 
 fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -107,12 +51,12 @@ async fn the_python_client_against_real_sidecars_and_the_webhook() {
     let _webhook = Webhook::start(&client, &dir, &ns.name).await;
 
     // pod-a first, so that it is the one leading when pod-b joins.
-    let a = sidecar(&dir, &ns.name, "pod-a");
+    let a = sidecar(&dir, &ns.name, LEASE, "pod-a", &[]);
     eventually(Duration::from_secs(20), "pod-a to lead", || async {
         a.status().filter(|s| s["leading"] == true)
     })
     .await;
-    let b = sidecar(&dir, &ns.name, "pod-b");
+    let b = sidecar(&dir, &ns.name, LEASE, "pod-b", &[]);
     eventually(Duration::from_secs(20), "pod-b to follow pod-a", || async {
         b.status().filter(|s| s["holder"] == "pod-a")
     })

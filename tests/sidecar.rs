@@ -3,13 +3,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::procs::{now_ns, scratch_dir, spawn_fencedlease, Proc};
+use common::procs::{now_ns, scratch_dir};
+use common::sidecars::{curl, sidecar, Sidecar};
 use common::webhook::{free_port, Webhook};
 use common::{client, ensure_crd, eventually, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -174,60 +174,6 @@ async fn pods_and_deployments_get_the_sidecar_exactly_once() {
     .await;
     for p in made {
         assert_eq!(sidecars(&p), 1, "{:?}", p.metadata.name);
-    }
-}
-
-fn curl(args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-sS", "--max-time", "3", "-o", "-", "-w", "\n%{http_code}"])
-        .args(args)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
-struct Sidecar {
-    proc: Proc,
-    port: u16,
-    token_dir: std::path::PathBuf,
-}
-
-fn sidecar(dir: &Path, ns: &str, lease: &str, identity: &str, extra: &[&str]) -> Sidecar {
-    let port = free_port();
-    let token_dir = dir.join(format!("{identity}-token"));
-    let listen = format!("127.0.0.1:{port}");
-    let mut args = vec![
-        "sidecar",
-        "--lease",
-        lease,
-        "--namespace",
-        ns,
-        "--identity",
-        identity,
-        "--listen",
-        &listen,
-        "--lease-duration",
-        "2",
-        "--token-dir",
-        token_dir.to_str().expect("utf-8"),
-    ];
-    args.extend_from_slice(extra);
-    let proc = spawn_fencedlease(identity, dir, &args);
-    Sidecar {
-        proc,
-        port,
-        token_dir,
-    }
-}
-
-impl Sidecar {
-    fn status(&self) -> Option<Value> {
-        let (code, body) = curl(&[&format!("http://127.0.0.1:{}/v1/status", self.port)]);
-        (code == 200)
-            .then(|| serde_json::from_str(&body).ok())
-            .flatten()
     }
 }
 

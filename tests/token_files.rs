@@ -8,7 +8,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::procs::{scratch_dir, spawn_fencedlease};
+use common::procs::scratch_dir;
+use common::sidecars::sidecar;
 use common::webhook::free_port;
 use common::{client, ensure_crd, eventually, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
@@ -135,27 +136,12 @@ async fn a_restarted_sidecar_shows_no_token_file_until_it_leads_again() {
     let token_dir = dir.join("pod-a-token");
     leave_stale_files(&token_dir, current - 1, &uid);
 
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let a = spawn_fencedlease(
-        "pod-a",
-        &dir,
-        &[
-            "sidecar",
-            "--lease",
-            "db",
-            "--namespace",
-            &ns.name,
-            "--identity",
-            "pod-a",
-            "--listen",
-            &listen,
-            "--lease-duration",
-            "2",
-            "--token-dir",
-            token_dir.to_str().expect("utf-8"),
-        ],
+    let car = sidecar(&dir, &ns.name, "db", "pod-a", &[]);
+    assert_eq!(
+        car.token_dir, token_dir,
+        "the sidecar uses the folder the stale files are in"
     );
+    let (a, port) = (&car.proc, car.port);
     // The first answer the sidecar gives comes after the removal.
     let first = eventually(Duration::from_secs(20), "the sidecar API", || async {
         status(port)

@@ -19,6 +19,7 @@ pub mod fencing;
 pub mod helm;
 pub mod policy;
 pub mod procs;
+pub mod sidecars;
 pub mod stories;
 pub mod webhook;
 
