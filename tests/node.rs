@@ -1386,6 +1386,23 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
         "unexpected refusal: {refusal}"
     );
     phase(&format!("fencing webhook refused a write: {refusal}"));
+    // `kubectl fencedlease check` sees the same: its dry-run probe of the fence in this
+    // namespace is refused by a webhook replica.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+        .args(["kubectl", "check", "-n", &ns.name])
+        .env("KUBECONFIG", common::kubeconfig_path())
+        .output()
+        .expect("running fencedlease kubectl check");
+    let report = String::from_utf8_lossy(&check.stdout);
+    let fence = format!(
+        "✓ the fence answers: a dry-run write of a protected ConfigMap without a token in namespace {} was refused (409)",
+        ns.name
+    );
+    assert!(
+        report.contains(&fence),
+        "{fence:?} missing from check:\n{report}"
+    );
+    phase("kubectl fencedlease check: the fence answers");
 
     // The injection webhook answers through the Service: an annotated pod gets the sidecar.
     wait_injection_served(&client, &ns.name).await;

@@ -355,7 +355,7 @@ fn read(what: &'static str) -> impl FnOnce(kube::Error) -> CheckError {
 }
 
 /// Fetches everything and returns the findings.
-pub async fn gather(client: &Client) -> Result<Vec<Finding>, CheckError> {
+pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, CheckError> {
     let v = client
         .apiserver_version()
         .await
@@ -393,7 +393,63 @@ pub async fn gather(client: &Client) -> Result<Vec<Finding>, CheckError> {
     };
     out.extend(webhook_findings(&vwc, &mwc, policy, cert.as_deref()));
     out.extend(deployment_findings(&deps));
+    if !vwc.is_empty() || policy {
+        out.push(fence_finding(
+            &probe_fence(client, probe_ns).await,
+            probe_ns,
+        ));
+    }
     Ok(out)
+}
+
+/// The name of the ConfigMap the fence probe pretends to create.
+pub const PROBE_OBJECT: &str = "fencedlease-check-probe";
+/// The lease the probe names: one nobody holds (the fence refuses either way).
+pub const PROBE_LEASE: &str = "fencedlease-check-probe";
+
+/// Asks the API server to create, as a dry run, a ConfigMap in `ns` labelled with a lease and
+/// carrying no token: the fence (a webhook replica, or the policy) must refuse it. Nothing is
+/// written, and the API server calls the webhook for dry runs (its sideEffects are None).
+async fn probe_fence(client: &Client, ns: &str) -> Result<(), kube::Error> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": PROBE_OBJECT,
+            "labels": {crate::fencing::LEASE_LABEL: PROBE_LEASE},
+        },
+    }))
+    .map_err(kube::Error::SerdeError)?;
+    let pp = kube::api::PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(&pp, &cm)
+        .await
+        .map(|_| ())
+}
+
+/// The verdict on the fence probe in `ns`: refused by fencedlease means a replica (or the
+/// policy) answered on the path of real writes.
+pub fn fence_finding(probe: &Result<(), kube::Error>, ns: &str) -> Finding {
+    let pods = "kubectl get pods -A -l app.kubernetes.io/part-of=fencedlease,app.kubernetes.io/component=webhook, and read their logs";
+    match probe {
+        Err(kube::Error::Api(s)) if s.message.contains("fencedlease") && !s.message.contains("failed calling webhook") => {
+            Finding::ok(format!("the fence answers: a dry-run write of a protected ConfigMap without a token in namespace {ns} was refused ({})", s.code))
+        }
+        Err(kube::Error::Api(s)) if s.message.contains("failed calling webhook") => Finding::fail(
+            format!("no fencing webhook replica answered the API server (namespace {ns}): {}; protected writes are refused meanwhile", s.message),
+            pods,
+        ),
+        Ok(()) => Finding::fail(
+            format!("a dry-run write of a ConfigMap labelled {} without a token was allowed in namespace {ns}: that namespace is not fenced, or configmaps are not among fencing.resources", crate::fencing::LEASE_LABEL),
+            "run check with -n NAMESPACE of a namespace whose writes you fence (the chart's fencing.namespaceSelector and excludeNamespaces decide which)",
+        ),
+        Err(e) => Finding::fail(
+            format!("could not probe the fence in namespace {ns}: {e}"),
+            "check needs create rights on configmaps there (a dry run writes nothing); or pass -n NAMESPACE",
+        ),
+    }
 }
 
 /// Whether a ValidatingAdmissionPolicy of the chart exists (false where the API is absent or
@@ -565,5 +621,28 @@ mod tests {
             serving_secret(&[deployment("webhook", true)]),
             Some(("fl".into(), "fl-certs".into()))
         );
+    }
+
+    fn api_error(code: u16, message: &str) -> Result<(), kube::Error> {
+        Err(kube::Error::Api(Box::new(
+            kube::core::Status::failure(message, "").with_code(code),
+        )))
+    }
+
+    #[test]
+    fn the_fence_probe_is_ok_only_when_fencedlease_refused_it() {
+        let cases = [
+            (api_error(409, "admission webhook \"fencing.fencedlease.io\" denied the request: fencedlease: a write to an object labelled fencedlease.io/lease must carry fencedlease.io/token"), true, "the fence answers"),
+            (api_error(403, "fencedlease: the write must present its token"), true, "refused (403)"),
+            (api_error(500, "Internal error occurred: failed calling webhook \"fencing.fencedlease.io\": connection refused"), false, "no fencing webhook replica answered"),
+            (Ok(()), false, "was allowed in namespace shop"),
+            (api_error(403, "configmaps is forbidden: User \"x\" cannot create resource"), false, "could not probe"),
+        ];
+        for (probe, ok, says) in cases {
+            let f = fence_finding(&probe, "shop");
+            assert_eq!(f.ok, ok, "{f:?}");
+            assert!(f.what.contains(says), "{says:?} not in {f:?}");
+            assert!(ok || f.fix.is_some(), "a failure says what to do: {f:?}");
+        }
     }
 }

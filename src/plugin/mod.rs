@@ -82,7 +82,9 @@ pub enum PluginCommand {
         #[arg(long, short = 'y')]
         yes: bool,
     },
-    /// Check the install: CRD, webhook configurations and their caBundle, Deployments.
+    /// Check the install: CRD, webhook configurations and their caBundle, Deployments, and that
+    /// the fence answers: a dry-run write of a protected ConfigMap without a token in the
+    /// namespace (-n) must be refused.
     Check,
 }
 
@@ -171,7 +173,7 @@ pub async fn run(args: PluginArgs) -> Result<ExitCode, PluginError> {
         }
         PluginCommand::Release { lease, yes } => release(&leases, &ns, &lease, yes).await,
         PluginCommand::Check => {
-            let findings = check::gather(&client).await?;
+            let findings = check::gather(&client, &ns).await?;
             print!("{}", check::render(&findings));
             Ok(if findings.iter().all(|f| f.ok) {
                 ExitCode::SUCCESS
