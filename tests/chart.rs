@@ -956,6 +956,22 @@ async fn every_rendered_object_is_accepted_by_the_server() {
         .map(|d| serde_yaml_ng::to_string(&d).expect("yaml"))
         .collect();
     apply_dry_run(&ns.name, &kept.join("---\n"));
+
+    // Policy mode without injection (1.30 and later): the controller alone, and the policy.
+    if common::server_minor(&client).await >= 30 {
+        let rendered = release.run(
+            "template",
+            &[
+                "--dry-run=server",
+                "--set",
+                "fencing.mode=policy,injection.enabled=false,networkPolicy.enabled=true",
+            ],
+        );
+        let docs = documents(&rendered);
+        assert_eq!(find(&docs, "ValidatingAdmissionPolicy").len(), 1);
+        assert_eq!(find(&docs, "Deployment").len(), 1, "the controller alone");
+        apply_dry_run(&ns.name, &rendered);
+    }
 }
 
 /// `kubectl apply --dry-run=server` of a manifest stream; returns kubectl's stdout.
@@ -1506,6 +1522,59 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             );
         }
     }
+    // Policy mode without injection needs no webhook server at all: nothing of it is rendered,
+    // and the controller's Service owns the election lease.
+    let docs = documents(&helm_ok(&[
+        "template",
+        "mode",
+        &c,
+        "--namespace",
+        "ops",
+        "--api-versions",
+        vap,
+        "--api-versions",
+        "policy/v1/PodDisruptionBudget",
+        "--set",
+        "fencing.mode=policy,injection.enabled=false,networkPolicy.enabled=true",
+    ]));
+    let names: Vec<String> = docs
+        .iter()
+        .map(|d| {
+            format!(
+                "{}/{}",
+                kind_of(d),
+                d["metadata"]["name"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains("webhook") || n.starts_with("MutatingWebhook")),
+        "webhook parts rendered in policy mode without injection: {names:?}"
+    );
+    assert!(
+        !names.contains(&"Service/mode-fencedlease".to_string()),
+        "{names:?}"
+    );
+    let deploy = named(&docs, "Deployment", "mode-fencedlease-controller");
+    let args = container_args(deploy, "controller");
+    let owner = args
+        .iter()
+        .skip_while(|a| *a != "--election-owner-service")
+        .nth(1)
+        .expect("--election-owner-service");
+    assert_eq!(owner, "mode-fencedlease-controller");
+    assert!(
+        !args.iter().any(|a| a.starts_with("--webhook-")),
+        "no certificate to keep: {args:?}"
+    );
+    let role = grants(named(&docs, "Role", "mode-fencedlease"));
+    assert!(
+        role.contains(&"get /services/mode-fencedlease-controller".to_string())
+            && !role.iter().any(|g| g.contains("secrets")),
+        "{role:?}"
+    );
     // Without the API (a server before 1.30), policy mode fails the render and says why.
     for mode in ["policy", "both"] {
         let (ok, _, err) = helm(&[

@@ -226,7 +226,11 @@ pub fn webhook_findings(
             install,
         )),
     }
-    if mutating.is_empty() {
+    if mutating.is_empty() && (policy || !validating.is_empty()) {
+        out.push(Finding::ok(
+            "no injection MutatingWebhookConfiguration: sidecar injection is off (injection.enabled=false)",
+        ));
+    } else if mutating.is_empty() {
         out.push(Finding::fail(
             format!("no MutatingWebhookConfiguration labelled {PART_OF_SELECTOR}: sidecars are not injected"),
             install,
@@ -291,10 +295,17 @@ fn available(d: &Deployment) -> bool {
         > 0
 }
 
-/// Verdicts on the chart's controller and webhook Deployments.
-pub fn deployment_findings(deployments: &[Deployment]) -> Vec<Finding> {
+/// Verdicts on the chart's controller and webhook Deployments. `webhook` says whether a
+/// webhook server is expected (a webhook configuration exists; policy mode without injection
+/// runs none).
+pub fn deployment_findings(deployments: &[Deployment], webhook: bool) -> Vec<Finding> {
     let mut out = Vec::new();
-    for role in ["controller", "webhook"] {
+    let roles: &[&str] = if webhook {
+        &["controller", "webhook"]
+    } else {
+        &["controller"]
+    };
+    for &role in roles {
         let found: Vec<&Deployment> = deployments
             .iter()
             .filter(|d| component(d) == Some(role))
@@ -392,7 +403,10 @@ pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, Che
         None => None,
     };
     out.extend(webhook_findings(&vwc, &mwc, policy, cert.as_deref()));
-    out.extend(deployment_findings(&deps));
+    out.extend(deployment_findings(
+        &deps,
+        !vwc.is_empty() || !mwc.is_empty(),
+    ));
     if !vwc.is_empty() || policy {
         out.push(fence_finding(
             &probe_fence(client, probe_ns).await,
@@ -562,6 +576,13 @@ mod tests {
         assert!(webhook_findings(&[], &hooks_with("").1, true, None)
             .iter()
             .any(|f| f.ok && f.what.contains("Policy")));
+        // Policy mode without injection: no webhook configuration at all, and that is fine.
+        let f = webhook_findings(&[], &[], true, None);
+        assert!(f.iter().all(|f| f.ok), "{f:?}");
+        assert!(
+            f.iter().any(|f| f.what.contains("injection is off")),
+            "{f:?}"
+        );
         let (v, m) = hooks_with("");
         let f = webhook_findings(&v, &m, false, None);
         let empty: Vec<_> = f.iter().filter(|f| !f.ok).collect();
@@ -606,9 +627,12 @@ mod tests {
 
     #[test]
     fn both_deployments_must_be_available() {
-        let f = deployment_findings(&[deployment("controller", true), deployment("webhook", true)]);
+        let f = deployment_findings(
+            &[deployment("controller", true), deployment("webhook", true)],
+            true,
+        );
         assert!(f.iter().all(|f| f.ok), "{f:?}");
-        let f = deployment_findings(&[deployment("controller", false)]);
+        let f = deployment_findings(&[deployment("controller", false)], true);
         let failed: Vec<_> = f.iter().filter(|f| !f.ok).collect();
         assert_eq!(failed.len(), 2, "{f:?}");
         assert!(failed[0]
@@ -617,6 +641,9 @@ mod tests {
             .unwrap()
             .contains("kubectl -n fl describe deployment fl-controller"));
         assert!(failed[1].what.contains("no webhook Deployment"));
+        // Policy mode without injection runs no webhook: none is asked for.
+        let f = deployment_findings(&[deployment("controller", true)], false);
+        assert!(f.iter().all(|f| f.ok) && f.len() == 1, "{f:?}");
         assert_eq!(
             serving_secret(&[deployment("webhook", true)]),
             Some(("fl".into(), "fl-certs".into()))

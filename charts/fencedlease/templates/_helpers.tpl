@@ -131,6 +131,25 @@ it keeps. A DNS label (no dots): the controller refuses other names. */}}
 {{- if ne .Values.fencing.mode "webhook" -}}true{{- end -}}
 {{- end -}}
 
+{{/*
+Whether the webhook server runs at all: for the fencing webhook, or for sidecar injection. In
+policy mode without injection nothing calls it, and the chart renders none of it (Deployment,
+Service, ServiceAccount, RBAC, certificate).
+*/}}
+{{- define "fencedlease.webhookServer" -}}
+{{- if or (include "fencedlease.fencingWebhook" .) .Values.injection.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Service that owns the election lease (and the certificate Secret): the webhook's, or
+the controller's when there is no webhook. */}}
+{{- define "fencedlease.ownerService" -}}
+{{- if include "fencedlease.webhookServer" . -}}
+{{- include "fencedlease.serviceName" . -}}
+{{- else -}}
+{{- include "fencedlease.controllerName" . -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "fencedlease.mutatingName" -}}
 {{- printf "%s-injection" (include "fencedlease.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
