@@ -27,6 +27,12 @@ use tracing::{info, warn};
 
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, LeaderState};
 
+/// The default folder of the token files (`--token-dir`); the injector mounts the token
+/// volume there.
+pub const TOKEN_DIR: &str = "/var/run/fencedlease";
+/// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
+pub const DEFAULT_PORT: u16 = 8787;
+
 #[derive(Debug, clap::Args)]
 pub struct SidecarArgs {
     /// Name of the FencedLease to campaign for (same namespace as the pod).
@@ -39,7 +45,8 @@ pub struct SidecarArgs {
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
     /// Loopback address of the sidecar API (/v1/status, /v1/token, /v1/watch, /v1/release).
-    #[arg(long, env = "FENCEDLEASE_LISTEN", default_value = "127.0.0.1:8787")]
+    #[arg(long, env = "FENCEDLEASE_LISTEN",
+          default_value_t = SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, DEFAULT_PORT)))]
     pub listen: SocketAddr,
     /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
     #[arg(long, env = "FENCEDLEASE_LEASE_DURATION",
@@ -53,7 +60,7 @@ pub struct SidecarArgs {
     #[arg(
         long,
         env = "FENCEDLEASE_TOKEN_DIR",
-        default_value = "/var/run/fencedlease"
+        default_value = TOKEN_DIR
     )]
     pub token_dir: PathBuf,
     /// Make /readyz answer 200 only while this pod leads (a Service then routes to the leader).
@@ -1022,6 +1029,19 @@ mod tests {
             .await
             .expect("an IPv4 connection to the probe endpoint");
         accept.await.expect("join").expect("accept");
+    }
+
+    #[test]
+    fn the_listen_and_token_dir_defaults_are_the_injectors() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SidecarArgs,
+        }
+        let cli =
+            <Cli as clap::Parser>::try_parse_from(["sidecar", "--lease", "l"]).expect("parse");
+        assert_eq!(cli.args.listen.to_string(), "127.0.0.1:8787");
+        assert_eq!(cli.args.token_dir, Path::new("/var/run/fencedlease"));
     }
 
     #[test]
