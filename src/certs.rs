@@ -81,78 +81,103 @@ pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::
             .and_then(|d| text(d, "ca.crt"))
             .unwrap_or_default(),
         _ => {
-            // Keep the CA across renewals, so the caBundle does not change under the API server.
-            let old_ca = existing
-                .as_ref()
-                .and_then(|s| s.data.as_ref())
-                .and_then(|d| Some((text(d, "ca.crt")?, text(d, "ca.key")?)));
-            let g = tls::generate(
-                &hosts,
-                old_ca.as_ref().map(|(c, k)| (c.as_str(), k.as_str())),
-            )
-            .map_err(|e| kube::Error::Service(Box::new(e)))?;
-            let mut data = BTreeMap::new();
-            for (k, v) in [
-                ("tls.crt", &g.cert),
-                ("tls.key", &g.key),
-                ("ca.crt", &g.ca_cert),
-                ("ca.key", &g.ca_key),
-            ] {
-                data.insert(k.to_string(), ByteString(v.as_bytes().to_vec()));
-            }
-            let mut secret: Secret = serde_json::from_value(serde_json::json!({
-                "metadata": {
-                    "name": cfg.secret,
-                    "labels": {"app.kubernetes.io/managed-by": "fencedlease-controller"},
-                    "annotations": {
-                        NOT_AFTER_ANNOTATION: tls::serving_not_after().to_string(),
-                        HOSTS_ANNOTATION: hosts.join(","),
-                    },
-                },
-                "type": "kubernetes.io/tls",
-            }))
-            .map_err(kube::Error::SerdeError)?;
-            secret.data = Some(data);
-            // Owned by the webhook Service, so that uninstalling the operator removes it.
-            secret.metadata.owner_references =
-                crate::owners::service_owner(client, &cfg.namespace, &cfg.service)
-                    .await?
-                    .map(|o| vec![o]);
-            match existing {
-                Some(old) => {
-                    secret.metadata.resource_version = old.metadata.resource_version;
-                    secrets
-                        .replace(&cfg.secret, &PostParams::default(), &secret)
-                        .await?;
-                }
-                None => {
-                    secrets.create(&PostParams::default(), &secret).await?;
-                }
-            }
-            info!(secret = %cfg.secret, "issued the webhook serving certificate");
+            let ca_pem = issue(client, cfg, &secrets, &hosts, existing).await?;
             wrote = true;
-            g.ca_cert
+            ca_pem
         }
     };
     let bundle = ByteString(ca_pem.into_bytes());
+    wrote |= trust_ca(client, cfg, &bundle).await?;
+    Ok(wrote)
+}
+
+/// Issues a new serving certificate into the Secret (creating it, or replacing `existing`),
+/// with the CA of `existing` when it has one. Returns the CA's PEM.
+async fn issue(
+    client: &Client,
+    cfg: &CertConfig,
+    secrets: &Api<Secret>,
+    hosts: &[String],
+    existing: Option<Secret>,
+) -> Result<String, kube::Error> {
+    // Keep the CA across renewals, so the caBundle does not change under the API server.
+    let old_ca = existing
+        .as_ref()
+        .and_then(|s| s.data.as_ref())
+        .and_then(|d| Some((text(d, "ca.crt")?, text(d, "ca.key")?)));
+    let g = tls::generate(
+        hosts,
+        old_ca.as_ref().map(|(c, k)| (c.as_str(), k.as_str())),
+    )
+    .map_err(|e| kube::Error::Service(Box::new(e)))?;
+    let mut data = BTreeMap::new();
+    for (k, v) in [
+        ("tls.crt", &g.cert),
+        ("tls.key", &g.key),
+        ("ca.crt", &g.ca_cert),
+        ("ca.key", &g.ca_key),
+    ] {
+        data.insert(k.to_string(), ByteString(v.as_bytes().to_vec()));
+    }
+    let mut secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": cfg.secret,
+            "labels": {"app.kubernetes.io/managed-by": "fencedlease-controller"},
+            "annotations": {
+                NOT_AFTER_ANNOTATION: tls::serving_not_after().to_string(),
+                HOSTS_ANNOTATION: hosts.join(","),
+            },
+        },
+        "type": "kubernetes.io/tls",
+    }))
+    .map_err(kube::Error::SerdeError)?;
+    secret.data = Some(data);
+    // Owned by the webhook Service, so that uninstalling the operator removes it.
+    secret.metadata.owner_references =
+        crate::owners::service_owner(client, &cfg.namespace, &cfg.service)
+            .await?
+            .map(|o| vec![o]);
+    match existing {
+        Some(old) => {
+            secret.metadata.resource_version = old.metadata.resource_version;
+            secrets
+                .replace(&cfg.secret, &PostParams::default(), &secret)
+                .await?;
+        }
+        None => {
+            secrets.create(&PostParams::default(), &secret).await?;
+        }
+    }
+    info!(secret = %cfg.secret, "issued the webhook serving certificate");
+    Ok(g.ca_cert)
+}
+
+/// Sets `bundle` as the caBundle of every webhook in the named configurations (validating or
+/// mutating) that has another. Returns whether anything was written.
+async fn trust_ca(
+    client: &Client,
+    cfg: &CertConfig,
+    bundle: &ByteString,
+) -> Result<bool, kube::Error> {
+    let mut wrote = false;
     for name in &cfg.configurations {
         let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
         if let Some(c) = visible(v.get_opt(name).await)? {
             let hooks = c.webhooks.iter().flatten();
             let stale = stale_webhooks(
                 hooks.map(|w| (&w.name, w.client_config.ca_bundle.as_ref())),
-                &bundle,
+                bundle,
             );
-            wrote |= patch_ca_bundle(&v, name, &stale, &bundle).await?;
+            wrote |= patch_ca_bundle(&v, name, &stale, bundle).await?;
         }
         let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
         if let Some(c) = visible(m.get_opt(name).await)? {
             let hooks = c.webhooks.iter().flatten();
             let stale = stale_webhooks(
                 hooks.map(|w| (&w.name, w.client_config.ca_bundle.as_ref())),
-                &bundle,
+                bundle,
             );
-            wrote |= patch_ca_bundle(&m, name, &stale, &bundle).await?;
+            wrote |= patch_ca_bundle(&m, name, &stale, bundle).await?;
         }
     }
     Ok(wrote)

@@ -26,7 +26,7 @@ use crate::api::{Condition, FencedLease, FIELD_MANAGER};
 use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
-    controller_decision, lease_seconds, ControllerAction, Mono, Observation,
+    controller_decision, lease_seconds, ControllerAction, FencingToken, Mono, Observation,
 };
 use crate::lease::Revocation;
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
@@ -1091,41 +1091,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     if let Some(policy) = &args.fencing_policy {
         crate::policy::require_policy(&client, policy).await?;
     }
-    let mut registry = Registry::default();
-    let metrics = ControllerMetrics::register(&mut registry);
-    let renewals = crate::metrics::RenewalGauge::register(
-        &mut registry,
-        "fencedlease_controller_last_renewal_timestamp_seconds",
-    );
-    let ready = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
-
-    let health = HealthState {
-        registry: Arc::new(registry),
-        ready: ready.clone(),
-    };
-    let server = tokio::spawn(crate::metrics::serve(
-        args.metrics_addr,
-        health,
-        crate::until_stopped(stop_rx.clone()),
-    ));
-
-    let owner = match &args.election_owner_service {
-        Some(service) => {
-            match crate::owners::service_owner(&client, &args.election_namespace, service).await {
-                Ok(Some(owner)) => Some(owner),
-                Ok(None) => {
-                    warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
-                    None
-                }
-                Err(e) => {
-                    warn!(%service, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on that Service): the lease will outlive the operator");
-                    None
-                }
-            }
-        }
-        None => None,
-    };
+    // The metrics server starts first, before the elector.
+    let (health, metrics, renewals) = MetricsServer::start(&args, &stop_rx);
+    let owner = election_owner(&client, &args).await;
     let (elector, handle) = Elector::new(
         client.clone(),
         ElectorConfig {
@@ -1147,33 +1116,134 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         ))
     });
     let ctx = Arc::new(Context::new(client.clone(), metrics, &identity).with_bindings(bindings));
-    ready.store(true, Ordering::Relaxed);
+    health.ready.store(true, Ordering::Relaxed);
 
     let mut state = handle.state.clone();
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
-    loop {
-        // Wait until this replica leads.
-        let leading = loop {
-            let s = state.borrow_and_update().clone();
-            if let Some(token) = s.leading_token(Instant::now()) {
-                break Some(token.clone());
-            }
-            tokio::select! {
-                r = state.changed() => if r.is_err() { break None },
-                _ = sigterm.recv() => break None,
-                _ = tokio::signal::ctrl_c() => break None,
-            }
-        };
-        let Some(token) = leading else { break };
+    while let Some(token) = wait_until_leading(&mut state, &mut sigterm).await {
         info!(
             token = token.generation,
             "this replica is the active controller"
         );
+        let term = Term {
+            args: &args,
+            client: &client,
+            ctx: &ctx,
+            owner: owner.as_ref(),
+        };
+        if term.lead(&mut state, &mut sigterm).await == "stopped" {
+            break;
+        }
+        warn!("lost the controller lease: standing by");
+    }
+    info!("shutting down");
+    health.ready.store(false, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    if let Ok(Err(e)) = elector_task.await {
+        warn!(error = %e, "the elector ended with an error");
+    }
+    health.join().await;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The controller's /metrics, /livez and /readyz server, and its readiness.
+struct MetricsServer {
+    ready: Arc<AtomicBool>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl MetricsServer {
+    /// Registers the metrics and serves them until `stop_rx`; not ready yet.
+    fn start(
+        args: &ControllerArgs,
+        stop_rx: &watch::Receiver<bool>,
+    ) -> (Self, ControllerMetrics, crate::metrics::RenewalGauge) {
+        let mut registry = Registry::default();
+        let metrics = ControllerMetrics::register(&mut registry);
+        let renewals = crate::metrics::RenewalGauge::register(
+            &mut registry,
+            "fencedlease_controller_last_renewal_timestamp_seconds",
+        );
+        let ready = Arc::new(AtomicBool::new(false));
+        let health = HealthState {
+            registry: Arc::new(registry),
+            ready: ready.clone(),
+        };
+        let server = tokio::spawn(crate::metrics::serve(
+            args.metrics_addr,
+            health,
+            crate::until_stopped(stop_rx.clone()),
+        ));
+        (MetricsServer { ready, server }, metrics, renewals)
+    }
+
+    /// Waits for the server to finish its graceful shutdown.
+    async fn join(self) {
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
+            Err(e) => warn!(error = %e, "the metrics server task failed"),
+        }
+    }
+}
+
+/// The Service meant to own the election FencedLease (--election-owner-service), when it can
+/// be read; otherwise a warning, and none.
+async fn election_owner(client: &Client, args: &ControllerArgs) -> Option<OwnerReference> {
+    let service = args.election_owner_service.as_ref()?;
+    match crate::owners::service_owner(client, &args.election_namespace, service).await {
+        Ok(Some(owner)) => Some(owner),
+        Ok(None) => {
+            warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
+            None
+        }
+        Err(e) => {
+            warn!(%service, error = %e, "cannot read the Service meant to own the election FencedLease (it needs get on that Service): the lease will outlive the operator");
+            None
+        }
+    }
+}
+
+/// Waits until this replica leads; None on SIGTERM, Ctrl-C or when the elector is gone.
+async fn wait_until_leading(
+    state: &mut watch::Receiver<LeaderState>,
+    sigterm: &mut tokio::signal::unix::Signal,
+) -> Option<FencingToken> {
+    loop {
+        let s = state.borrow_and_update().clone();
+        if let Some(token) = s.leading_token(Instant::now()) {
+            return Some(token.clone());
+        }
+        tokio::select! {
+            r = state.changed() => if r.is_err() { return None },
+            _ = sigterm.recv() => return None,
+            _ = tokio::signal::ctrl_c() => return None,
+        }
+    }
+}
+
+/// What one term as the active controller needs.
+struct Term<'a> {
+    args: &'a ControllerArgs,
+    client: &'a Client,
+    ctx: &'a Arc<Context>,
+    owner: Option<&'a OwnerReference>,
+}
+
+impl Term<'_> {
+    /// Reconciles (and keeps the bindings and certificates) until leadership is lost
+    /// ("lost") or the controller is told to stop ("stopped").
+    async fn lead(
+        &self,
+        state: &mut watch::Receiver<LeaderState>,
+        sigterm: &mut tokio::signal::unix::Signal,
+    ) -> &'static str {
+        let (args, client, ctx) = (self.args, self.client, self.ctx);
         ctx.metrics.leading.set(1);
-        if let Some(owner) = &owner {
+        if let Some(owner) = self.owner {
             adopt_election_lease(
-                &client,
+                client,
                 &args.election_namespace,
                 &args.election_lease,
                 owner,
@@ -1188,8 +1258,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             tokio::spawn(sweep_bindings(b, period))
         });
         let namespace = args.namespace.as_deref();
-        let controller = Controller::for_stream(lease_stream(&client, namespace, writer), reader)
-            .reconcile_on(pod_triggers(&client, namespace, ctx.clone()))
+        let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
+            .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
             .with_config(controller::Config::default().concurrency(args.concurrency))
             .shutdown_on_signal()
             .run(reconcile, error_policy, ctx.clone())
@@ -1200,23 +1270,8 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             });
         tokio::pin!(controller);
         let certs_task =
-            cert_config(&args).map(|cfg| tokio::spawn(keep_certificates(client.clone(), cfg)));
-        // Run until leadership is lost, by event or by deadline.
-        let outcome = loop {
-            let s = state.borrow().clone();
-            let deadline = match &s {
-                LeaderState::Leading { valid_until, .. } => *valid_until,
-                _ => break "lost",
-            };
-            tokio::select! {
-                () = &mut controller => break "stopped",
-                r = state.changed() => if r.is_err() { break "lost" },
-                () = tokio::time::sleep_until(deadline) => {
-                    if state.borrow().leading_token(Instant::now()).is_none() { break "lost" }
-                }
-                _ = sigterm.recv() => break "stopped",
-            }
-        };
+            cert_config(args).map(|cfg| tokio::spawn(keep_certificates(client.clone(), cfg)));
+        let outcome = until_term_ends(state, controller, sigterm).await;
         ctx.metrics.leading.set(0);
         if let Some(t) = certs_task {
             t.abort();
@@ -1224,23 +1279,32 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         if let Some(t) = sweep_task {
             t.abort();
         }
-        if outcome == "stopped" {
-            break;
+        outcome
+    }
+}
+
+/// Runs `controller` until leadership is lost, by event or by deadline ("lost"), or until
+/// it stops or SIGTERM comes ("stopped").
+async fn until_term_ends(
+    state: &mut watch::Receiver<LeaderState>,
+    mut controller: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    sigterm: &mut tokio::signal::unix::Signal,
+) -> &'static str {
+    loop {
+        let s = state.borrow().clone();
+        let deadline = match &s {
+            LeaderState::Leading { valid_until, .. } => *valid_until,
+            _ => return "lost",
+        };
+        tokio::select! {
+            () = &mut controller => return "stopped",
+            r = state.changed() => if r.is_err() { return "lost" },
+            () = tokio::time::sleep_until(deadline) => {
+                if state.borrow().leading_token(Instant::now()).is_none() { return "lost" }
+            }
+            _ = sigterm.recv() => return "stopped",
         }
-        warn!("lost the controller lease: standing by");
     }
-    info!("shutting down");
-    ready.store(false, Ordering::Relaxed);
-    let _ = stop_tx.send(true);
-    if let Ok(Err(e)) = elector_task.await {
-        warn!(error = %e, "the elector ended with an error");
-    }
-    match server.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
-        Err(e) => warn!(error = %e, "the metrics server task failed"),
-    }
-    Ok(std::process::ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

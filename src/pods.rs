@@ -246,100 +246,119 @@ impl PodIndex {
                 Vec::new()
             }
             Event::InitApply(pod) => {
-                if let Some((key, info)) = info_of(pod) {
-                    self.gone.raise(&key);
-                    let Some(info) = info else {
-                        return Vec::new();
-                    };
-                    self.listing
-                        .get_or_insert_with(HashMap::new)
-                        .insert(key, info);
-                }
+                self.listed(pod);
                 Vec::new()
             }
-            Event::InitDone => {
-                let listed = self.listing.take().unwrap_or_default();
-                let old = std::mem::replace(&mut self.pods, listed);
-                self.by_lease.clear();
-                for ((ns, name), info) in &self.pods {
-                    self.by_lease
-                        .entry((ns.clone(), info.lease.clone()))
-                        .or_default()
-                        .insert(name.clone());
+            Event::InitDone => self.list_done(),
+            Event::Apply(pod) => self.applied(pod),
+            Event::Delete(pod) => self.deleted(pod),
+        }
+    }
+
+    /// A pod seen during a (re)list: kept aside until the list is complete.
+    fn listed(&mut self, pod: &Pod) {
+        if let Some((key, info)) = info_of(pod) {
+            self.gone.raise(&key);
+            let Some(info) = info else {
+                return;
+            };
+            self.listing
+                .get_or_insert_with(HashMap::new)
+                .insert(key, info);
+        }
+    }
+
+    /// The (re)list is complete: its pods replace the index. Returns the leases whose pods
+    /// differ from before (all leases with pods, the first time).
+    fn list_done(&mut self) -> Vec<Key> {
+        let listed = self.listing.take().unwrap_or_default();
+        let old = std::mem::replace(&mut self.pods, listed);
+        self.by_lease.clear();
+        for ((ns, name), info) in &self.pods {
+            self.by_lease
+                .entry((ns.clone(), info.lease.clone()))
+                .or_default()
+                .insert(name.clone());
+        }
+        let mut changed = BTreeSet::new();
+        if !self.ready {
+            // First complete view: every lease with pods may need its label set.
+            changed.extend(
+                self.pods
+                    .iter()
+                    .map(|((ns, _), i)| (ns.clone(), i.lease.clone())),
+            );
+        } else {
+            for (key, info) in &self.pods {
+                if old.get(key) != Some(info) {
+                    changed.insert((key.0.clone(), info.lease.clone()));
                 }
-                let mut changed = BTreeSet::new();
-                if !self.ready {
-                    // First complete view: every lease with pods may need its label set.
-                    changed.extend(
-                        self.pods
-                            .iter()
-                            .map(|((ns, _), i)| (ns.clone(), i.lease.clone())),
-                    );
-                } else {
-                    for (key, info) in &self.pods {
-                        if old.get(key) != Some(info) {
-                            changed.insert((key.0.clone(), info.lease.clone()));
-                        }
-                    }
-                    for (key, info) in &old {
-                        if self.pods.get(key) != Some(info) {
-                            changed.insert((key.0.clone(), info.lease.clone()));
-                        }
-                    }
-                    // Deleted while the watch was down. (A pod listed again without the
-                    // annotation raised its tombstone already.)
-                    for (key, info) in old {
-                        if !self.pods.contains_key(&key) {
-                            self.gone.bury(key, info.lease);
-                        }
-                    }
-                }
-                self.ready = true;
-                changed.into_iter().collect()
             }
-            Event::Apply(pod) => match info_of(pod) {
-                Some((key, Some(info))) => {
-                    self.gone.raise(&key);
-                    let mut changed = Vec::new();
-                    let new_lease = (key.0.clone(), info.lease.clone());
-                    match self.remove(&key) {
-                        Some(old) if old == info => {}
-                        Some(old) => {
-                            if old.lease != info.lease {
-                                changed.push((key.0.clone(), old.lease));
-                            }
-                            changed.push(new_lease.clone());
+            for (key, info) in &old {
+                if self.pods.get(key) != Some(info) {
+                    changed.insert((key.0.clone(), info.lease.clone()));
+                }
+            }
+            // Deleted while the watch was down. (A pod listed again without the
+            // annotation raised its tombstone already.)
+            for (key, info) in old {
+                if !self.pods.contains_key(&key) {
+                    self.gone.bury(key, info.lease);
+                }
+            }
+        }
+        self.ready = true;
+        changed.into_iter().collect()
+    }
+
+    /// A pod added or changed.
+    fn applied(&mut self, pod: &Pod) -> Vec<Key> {
+        match info_of(pod) {
+            Some((key, Some(info))) => {
+                self.gone.raise(&key);
+                let mut changed = Vec::new();
+                let new_lease = (key.0.clone(), info.lease.clone());
+                match self.remove(&key) {
+                    Some(old) if old == info => {}
+                    Some(old) => {
+                        if old.lease != info.lease {
+                            changed.push((key.0.clone(), old.lease));
                         }
-                        None => changed.push(new_lease.clone()),
+                        changed.push(new_lease.clone());
                     }
-                    self.by_lease
-                        .entry(new_lease)
-                        .or_default()
-                        .insert(key.1.clone());
-                    self.pods.insert(key, info);
-                    changed
+                    None => changed.push(new_lease.clone()),
                 }
-                // The annotation was removed, or the pod never had one.
-                Some((key, None)) => {
-                    self.gone.raise(&key);
-                    self.remove(&key)
-                        .map(|old| vec![(key.0, old.lease)])
-                        .unwrap_or_default()
-                }
-                None => Vec::new(),
-            },
-            Event::Delete(pod) => match info_of(pod) {
-                Some((key, info)) => {
-                    let old = self.remove(&key);
-                    let lease = old.map(|o| o.lease).or(info.map(|i| i.lease));
-                    let Some(lease) = lease else {
-                        return Vec::new();
-                    };
-                    self.gone.bury(key.clone(), lease.clone());
-                    vec![(key.0, lease)]
-                }
-                None => Vec::new(),
-            },
+                self.by_lease
+                    .entry(new_lease)
+                    .or_default()
+                    .insert(key.1.clone());
+                self.pods.insert(key, info);
+                changed
+            }
+            // The annotation was removed, or the pod never had one.
+            Some((key, None)) => {
+                self.gone.raise(&key);
+                self.remove(&key)
+                    .map(|old| vec![(key.0, old.lease)])
+                    .unwrap_or_default()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// A pod deleted: a pod of a lease leaves a tombstone.
+    fn deleted(&mut self, pod: &Pod) -> Vec<Key> {
+        match info_of(pod) {
+            Some((key, info)) => {
+                let old = self.remove(&key);
+                let lease = old.map(|o| o.lease).or(info.map(|i| i.lease));
+                let Some(lease) = lease else {
+                    return Vec::new();
+                };
+                self.gone.bury(key.clone(), lease.clone());
+                vec![(key.0, lease)]
+            }
+            None => Vec::new(),
         }
     }
 

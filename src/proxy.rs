@@ -116,11 +116,6 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response {
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
-    let ct = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
     let write = !matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
     let token = p.state.borrow().leading_token(Instant::now()).cloned();
     if write && token.is_none() {
@@ -133,60 +128,11 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             ),
         );
     }
-    let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+    let body = match upstream_body(&parts, body, token.as_ref()).await {
         Ok(b) => b,
-        Err(_) => {
-            return status(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "RequestEntityTooLarge",
-                format!(
-                    "fencedlease sidecar: request bodies are limited to {MAX_BODY_BYTES} bytes"
-                ),
-            )
-        }
+        Err(refusal) => return refusal,
     };
-    let body = match (rewrite_for(&parts.method, ct.as_deref()), &token) {
-        (Rewrite::Pass, _) => bytes.to_vec(),
-        (Rewrite::Unsupported(why), _) => {
-            return status(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "UnsupportedMediaType",
-                format!("fencedlease sidecar: {why}"),
-            )
-        }
-        (Rewrite::Stamp, Some(t)) => match stamp(&bytes, t) {
-            Ok(b) => b,
-            Err(e) => {
-                return status(
-                    StatusCode::BAD_REQUEST,
-                    "BadRequest",
-                    format!("fencedlease sidecar: {e}"),
-                )
-            }
-        },
-        (Rewrite::Stamp, None) => bytes.to_vec(),
-    };
-    let uri = parts
-        .uri
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/")
-        .to_string();
-    let mut builder = axum::http::Request::builder()
-        .method(parts.method.clone())
-        .uri(uri);
-    for (k, v) in parts.headers.iter() {
-        // The client's own credentials and hop-by-hop headers stay here; the sidecar's
-        // identity (the pod's ServiceAccount) is used upstream.
-        if matches!(
-            k.as_str(),
-            "authorization" | "host" | "content-length" | "connection" | "transfer-encoding"
-        ) {
-            continue;
-        }
-        builder = builder.header(k, v);
-    }
-    let upstream = match builder.body(body) {
+    let upstream = match upstream_request(&parts, body) {
         Ok(r) => r,
         Err(e) => {
             return status(
@@ -207,6 +153,76 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             format!("fencedlease sidecar: the API server could not be reached: {e}"),
         ),
     }
+}
+
+/// Reads the request body (at most [`MAX_BODY_BYTES`]) and stamps `token` on it when the
+/// request is a write that [`rewrite_for`] says to stamp; else the refusal to answer.
+async fn upstream_body(
+    parts: &axum::http::request::Parts,
+    body: Body,
+    token: Option<&FencingToken>,
+) -> Result<Vec<u8>, Response> {
+    let ct = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return Err(status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "RequestEntityTooLarge",
+                format!(
+                    "fencedlease sidecar: request bodies are limited to {MAX_BODY_BYTES} bytes"
+                ),
+            ))
+        }
+    };
+    match (rewrite_for(&parts.method, ct), token) {
+        (Rewrite::Pass, _) => Ok(bytes.to_vec()),
+        (Rewrite::Unsupported(why), _) => Err(status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            format!("fencedlease sidecar: {why}"),
+        )),
+        (Rewrite::Stamp, Some(t)) => stamp(&bytes, t).map_err(|e| {
+            status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                format!("fencedlease sidecar: {e}"),
+            )
+        }),
+        (Rewrite::Stamp, None) => Ok(bytes.to_vec()),
+    }
+}
+
+/// The request to send upstream: the same method, path, query and headers, less the client's
+/// credentials and the hop-by-hop headers.
+fn upstream_request(
+    parts: &axum::http::request::Parts,
+    body: Vec<u8>,
+) -> Result<axum::http::Request<Vec<u8>>, axum::http::Error> {
+    let uri = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let mut builder = axum::http::Request::builder()
+        .method(parts.method.clone())
+        .uri(uri);
+    for (k, v) in parts.headers.iter() {
+        // The client's own credentials and hop-by-hop headers stay here; the sidecar's
+        // identity (the pod's ServiceAccount) is used upstream.
+        if matches!(
+            k.as_str(),
+            "authorization" | "host" | "content-length" | "connection" | "transfer-encoding"
+        ) {
+            continue;
+        }
+        builder = builder.header(k, v);
+    }
+    builder.body(body)
 }
 
 /// The proxy's router.

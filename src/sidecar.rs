@@ -27,6 +27,12 @@ use tracing::{info, warn};
 
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, LeaderState};
 
+/// The default folder of the token files (`--token-dir`); the injector mounts the token
+/// volume there.
+pub const TOKEN_DIR: &str = "/var/run/fencedlease";
+/// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
+pub const DEFAULT_PORT: u16 = 8787;
+
 #[derive(Debug, clap::Args)]
 pub struct SidecarArgs {
     /// Name of the FencedLease to campaign for (same namespace as the pod).
@@ -39,7 +45,8 @@ pub struct SidecarArgs {
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
     /// Loopback address of the sidecar API (/v1/status, /v1/token, /v1/watch, /v1/release).
-    #[arg(long, env = "FENCEDLEASE_LISTEN", default_value = "127.0.0.1:8787")]
+    #[arg(long, env = "FENCEDLEASE_LISTEN",
+          default_value_t = SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, DEFAULT_PORT)))]
     pub listen: SocketAddr,
     /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
     #[arg(long, env = "FENCEDLEASE_LEASE_DURATION",
@@ -53,7 +60,7 @@ pub struct SidecarArgs {
     #[arg(
         long,
         env = "FENCEDLEASE_TOKEN_DIR",
-        default_value = "/var/run/fencedlease"
+        default_value = TOKEN_DIR
     )]
     pub token_dir: PathBuf,
     /// Make /readyz answer 200 only while this pod leads (a Service then routes to the leader).
@@ -668,24 +675,7 @@ fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListene
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     // First of all: until this sidecar leads, no token file may say that it does.
     clear_stale_token_files(&args.token_dir)?;
-    if !args.listen.ip().is_loopback() {
-        anyhow::bail!(
-            "--listen {} is not a loopback address: the sidecar API hands out the token and must stay inside the pod (use 127.0.0.1)",
-            args.listen
-        );
-    }
-    if let Some(p) = args.proxy_listen.filter(|p| !p.ip().is_loopback()) {
-        anyhow::bail!("--proxy-listen {p} is not a loopback address: the proxy acts with the pod's credentials and must stay inside the pod");
-    }
-    if !args.app_health_interval_seconds.is_finite() || args.app_health_interval_seconds < 0.05 {
-        anyhow::bail!("--app-health-interval-seconds must be at least 0.05");
-    }
-    let health_url = args
-        .app_health_url
-        .as_deref()
-        .map(parse_http_url)
-        .transpose()
-        .map_err(anyhow::Error::msg)?;
+    let health_url = check_args(&args)?;
     let identity = args
         .identity
         .clone()
@@ -704,15 +694,47 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
             timing_override: None,
         },
     )?;
+    let (shared, gauges) = shared_state(&args, identity, &handle);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let background = Background::start(&args, elector, &shared, gauges, health_url, &stop_rx);
+    let servers = Servers::start(&args, client, shared, &stop_rx).await?;
+    wait_for_stop_signal().await?;
+    let _ = stop_tx.send(true);
+    background.join().await;
+    servers.join().await;
+    Ok(std::process::ExitCode::SUCCESS)
+}
 
+/// Refuses flags that would expose the token or the pod's credentials, or check the app too
+/// often; returns the parsed app health URL.
+fn check_args(args: &SidecarArgs) -> anyhow::Result<Option<HttpUrl>> {
+    if !args.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "--listen {} is not a loopback address: the sidecar API hands out the token and must stay inside the pod (use 127.0.0.1)",
+            args.listen
+        );
+    }
+    if let Some(p) = args.proxy_listen.filter(|p| !p.ip().is_loopback()) {
+        anyhow::bail!("--proxy-listen {p} is not a loopback address: the proxy acts with the pod's credentials and must stay inside the pod");
+    }
+    if !args.app_health_interval_seconds.is_finite() || args.app_health_interval_seconds < 0.05 {
+        anyhow::bail!("--app-health-interval-seconds must be at least 0.05");
+    }
+    args.app_health_url
+        .as_deref()
+        .map(parse_http_url)
+        .transpose()
+        .map_err(anyhow::Error::msg)
+}
+
+/// The metrics registries and what the HTTP handlers share; the gauges that the background
+/// tasks set.
+fn shared_state(
+    args: &SidecarArgs,
+    identity: String,
+    handle: &ElectorHandle,
+) -> (Arc<Shared>, SidecarGauges) {
     let (registry, public_registry, gauges) = sidecar_metrics(&args.lease);
-    let SidecarGauges {
-        leading,
-        token: token_gauge,
-        health_failures,
-        renewals,
-    } = gauges;
-    renewals.follow(handle.state.clone());
     let shared = Arc::new(Shared {
         lease: args.lease.clone(),
         namespace: args.namespace.clone(),
@@ -723,54 +745,144 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         registry: Arc::new(registry),
         public_registry: Arc::new(public_registry),
     });
+    (shared, gauges)
+}
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_rx_extra = stop_rx.clone();
-    let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
-    let files_task = tokio::spawn(token_files(
-        args.token_dir.clone(),
-        handle.state.clone(),
-        stop_rx.clone(),
-    ));
-    {
-        // Metrics follow the state.
-        let mut rx = handle.state.clone();
-        tokio::spawn(async move {
-            loop {
-                let st = rx.borrow_and_update().clone();
-                match st.leading_token(Instant::now()) {
-                    Some(t) => {
-                        leading.set(1);
-                        token_gauge.set(t.generation);
-                    }
-                    None => {
-                        leading.set(0);
-                        token_gauge.set(0);
-                    }
-                }
-                if rx.changed().await.is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    if let Some(url) = health_url {
-        let every = Duration::from_secs_f64(args.app_health_interval_seconds);
-        tokio::spawn(health_loop(
-            url,
-            every,
-            args.app_health_failures,
-            shared.clone(),
+/// The tasks that run beside the servers until the stop signal: the elector, the token
+/// files, and the metrics and app health check (these end with the process).
+struct Background {
+    elector: tokio::task::JoinHandle<Result<(), crate::lease::elector::Error>>,
+    files: tokio::task::JoinHandle<()>,
+}
+
+impl Background {
+    fn start(
+        args: &SidecarArgs,
+        elector: Elector,
+        shared: &Arc<Shared>,
+        gauges: SidecarGauges,
+        health_url: Option<HttpUrl>,
+        stop_rx: &watch::Receiver<bool>,
+    ) -> Self {
+        let SidecarGauges {
+            leading,
+            token,
             health_failures,
+            renewals,
+        } = gauges;
+        let state = shared.handle.state.clone();
+        renewals.follow(state.clone());
+        let elector = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
+        let files = tokio::spawn(token_files(
+            args.token_dir.clone(),
+            state.clone(),
+            stop_rx.clone(),
         ));
+        tokio::spawn(follow_leadership(state, leading, token));
+        if let Some(url) = health_url {
+            let every = Duration::from_secs_f64(args.app_health_interval_seconds);
+            tokio::spawn(health_loop(
+                url,
+                every,
+                args.app_health_failures,
+                shared.clone(),
+                health_failures,
+            ));
+        }
+        Background { elector, files }
     }
 
-    let probes = args.probe_listen.map(|addr| {
-        let router = probe_routes()
-            .route("/metrics", get(public_metrics))
-            .with_state(shared.clone());
-        (addr, router)
-    });
+    /// Waits for the elector (which releases the lease) and the token files to finish.
+    async fn join(self) {
+        match self.elector.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "the elector ended with an error"),
+            Err(e) => warn!(error = %e, "the elector task failed"),
+        }
+        let _ = self.files.await;
+    }
+}
+
+/// Metrics follow the state: `leading` and `token` while leading, 0 otherwise.
+async fn follow_leadership(
+    mut rx: watch::Receiver<LeaderState>,
+    leading: Gauge<i64>,
+    token_gauge: Gauge<i64>,
+) {
+    loop {
+        let st = rx.borrow_and_update().clone();
+        match st.leading_token(Instant::now()) {
+            Some(t) => {
+                leading.set(1);
+                token_gauge.set(t.generation);
+            }
+            None => {
+                leading.set(0);
+                token_gauge.set(0);
+            }
+        }
+        if rx.changed().await.is_err() {
+            break;
+        }
+    }
+}
+
+type ServerTask = tokio::task::JoinHandle<std::io::Result<()>>;
+
+/// The sidecar's listening servers: the loopback API, and the proxy and the probe endpoint
+/// when asked for.
+struct Servers {
+    api: ServerTask,
+    proxy: Option<ServerTask>,
+    probes: Option<ServerTask>,
+}
+
+impl Servers {
+    /// Binds and serves each until `stop_rx`; a failure to bind ends the sidecar.
+    async fn start(
+        args: &SidecarArgs,
+        client: kube::Client,
+        shared: Arc<Shared>,
+        stop_rx: &watch::Receiver<bool>,
+    ) -> anyhow::Result<Self> {
+        let probes = args.probe_listen.map(|addr| {
+            let router = probe_routes()
+                .route("/metrics", get(public_metrics))
+                .with_state(shared.clone());
+            (addr, router)
+        });
+        let state = shared.handle.state.clone();
+        let api = serve_api(args, shared, stop_rx.clone()).await?;
+        let proxy = match args.proxy_listen {
+            Some(addr) => Some(serve_proxy(args, addr, client, state, stop_rx.clone()).await?),
+            None => None,
+        };
+        // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
+        // starts once it answers, by when every other endpoint listens.
+        let probes = match probes {
+            Some((addr, router)) => {
+                Some(serve_probe_endpoint(addr, router, stop_rx.clone()).await?)
+            }
+            None => None,
+        };
+        Ok(Servers { api, proxy, probes })
+    }
+
+    /// Waits for each server to finish its graceful shutdown.
+    async fn join(self) {
+        let _ = self.api.await;
+        for task in [self.proxy, self.probes].into_iter().flatten() {
+            let _ = task.await;
+        }
+    }
+}
+
+/// The loopback API: the token, the status, their changes, the release, probes and metrics.
+async fn serve_api(
+    args: &SidecarArgs,
+    shared: Arc<Shared>,
+    stop_rx: watch::Receiver<bool>,
+) -> anyhow::Result<ServerTask> {
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/token", get(token))
@@ -783,66 +895,59 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     info!(addr = %args.listen, lease = %args.lease, "sidecar API listening");
-    let server = tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(crate::until_stopped(stop_rx))
             .await
-    });
+    }))
+}
 
-    let proxy = match args.proxy_listen {
-        Some(addr) => {
-            let router = crate::proxy::router(
-                client,
-                handle.state.clone(),
-                args.lease.clone(),
-                args.namespace.clone(),
-            );
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the proxy on {addr}"))?;
-            info!(%addr, "Kubernetes API proxy listening");
-            let stop = crate::until_stopped(stop_rx_extra.clone());
-            Some(tokio::spawn(async move {
-                axum::serve(l, router).with_graceful_shutdown(stop).await
-            }))
-        }
-        None => None,
-    };
-    // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
-    // starts once it answers, by when every other endpoint listens.
-    let probe_server = match probes {
-        Some((addr, router)) => {
-            let l = bind_probe_listener(addr).await?;
-            let addr = l.local_addr().unwrap_or(addr);
-            info!(%addr, "probe endpoint (/healthz, /readyz, /metrics without the token) listening");
-            let stop = crate::until_stopped(stop_rx_extra.clone());
-            Some(tokio::spawn(serve_probes(
-                l,
-                router,
-                ProbeLimits::default(),
-                stop,
-            )))
-        }
-        None => None,
-    };
+/// The Kubernetes API proxy on `addr` (see [`crate::proxy`]).
+async fn serve_proxy(
+    args: &SidecarArgs,
+    addr: SocketAddr,
+    client: kube::Client,
+    state: watch::Receiver<LeaderState>,
+    stop_rx: watch::Receiver<bool>,
+) -> anyhow::Result<ServerTask> {
+    let router = crate::proxy::router(client, state, args.lease.clone(), args.namespace.clone());
+    let l = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the proxy on {addr}"))?;
+    info!(%addr, "Kubernetes API proxy listening");
+    let stop = crate::until_stopped(stop_rx);
+    Ok(tokio::spawn(async move {
+        axum::serve(l, router).with_graceful_shutdown(stop).await
+    }))
+}
+
+/// The probe endpoint on `addr`, within the default [`ProbeLimits`].
+async fn serve_probe_endpoint(
+    addr: SocketAddr,
+    router: Router,
+    stop_rx: watch::Receiver<bool>,
+) -> anyhow::Result<ServerTask> {
+    let l = bind_probe_listener(addr).await?;
+    let addr = l.local_addr().unwrap_or(addr);
+    info!(%addr, "probe endpoint (/healthz, /readyz, /metrics without the token) listening");
+    let stop = crate::until_stopped(stop_rx);
+    Ok(tokio::spawn(serve_probes(
+        l,
+        router,
+        ProbeLimits::default(),
+        stop,
+    )))
+}
+
+/// Waits for SIGTERM or Ctrl-C.
+async fn wait_for_stop_signal() -> anyhow::Result<()> {
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {
         _ = sigterm.recv() => info!("SIGTERM: releasing the lease"),
         _ = tokio::signal::ctrl_c() => info!("interrupted: releasing the lease"),
     }
-    let _ = stop_tx.send(true);
-    match elector_task.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!(error = %e, "the elector ended with an error"),
-        Err(e) => warn!(error = %e, "the elector task failed"),
-    }
-    let _ = files_task.await;
-    let _ = server.await;
-    for task in [proxy, probe_server].into_iter().flatten() {
-        let _ = task.await;
-    }
-    Ok(std::process::ExitCode::SUCCESS)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -924,6 +1029,19 @@ mod tests {
             .await
             .expect("an IPv4 connection to the probe endpoint");
         accept.await.expect("join").expect("accept");
+    }
+
+    #[test]
+    fn the_listen_and_token_dir_defaults_are_the_injectors() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SidecarArgs,
+        }
+        let cli =
+            <Cli as clap::Parser>::try_parse_from(["sidecar", "--lease", "l"]).expect("parse");
+        assert_eq!(cli.args.listen.to_string(), "127.0.0.1:8787");
+        assert_eq!(cli.args.token_dir, Path::new("/var/run/fencedlease"));
     }
 
     #[test]

@@ -28,8 +28,8 @@ pub const PROBE_PORT_NAME: &str = "fencedlease";
 /// Name of the injected container and of the token volume.
 pub const CONTAINER: &str = "fencedlease";
 pub const VOLUME: &str = "fencedlease-token";
-pub const TOKEN_DIR: &str = "/var/run/fencedlease";
-pub const DEFAULT_PORT: u16 = 8787;
+/// The sidecar's defaults, which the injected container relies on.
+pub use crate::sidecar::{DEFAULT_PORT, TOKEN_DIR};
 
 /// How to build the sidecar container.
 #[derive(Clone, Debug)]

@@ -568,45 +568,12 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let exemptions = args
         .exemptions()
         .context("checking --exempt-user and --exempt-group")?;
-    let files = CertFiles {
-        cert: args.tls_cert.clone(),
-        key: args.tls_key.clone(),
-    };
-    let (first, fingerprint) = wait_for_certificate(&files).await?;
-    let cert = ReloadingCert::new(first);
-    let tls_config =
-        Arc::new(tls::server_config(cert.clone()).context("building the TLS configuration")?);
-    tokio::spawn(cert.clone().watch(
-        files,
-        fingerprint,
-        Duration::from_secs(args.tls_reload_seconds.max(1)),
-    ));
-
+    let (tls_config, cert) = start_tls(&args).await?;
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
-    let version = client
-        .apiserver_version()
-        .await
-        .context("asking the API server for its version")?;
-    let native_sidecars = inject::supports_native_sidecars(&version.major, &version.minor);
-    info!(version = %version.git_version, native_sidecars, "injecting sidecars as {}",
-        if native_sidecars { "native sidecars (init containers that keep running)" } else { "ordinary containers" });
-    let (store, writer) = reflector::store::<FencedLease>();
-    let leases: Api<FencedLease> = Api::all(client.clone());
-    let reflect = reflector::reflector(
-        writer,
-        // managedFields are most of a cached lease's size and never read here.
-        watcher(leases, watcher::Config::default().any_semantic())
-            .modify(|l: &mut FencedLease| l.metadata.managed_fields = None),
-    )
-    .default_backoff()
-    .for_each(|ev| async move {
-        if let Err(e) = ev {
-            warn!(error = %e, "watching FencedLeases failed; retrying");
-        }
-    });
-    tokio::spawn(reflect);
+    let native_sidecars = native_sidecars(&client).await?;
+    let store = start_lease_cache(&client);
 
     let mut registry = Registry::default();
     let metrics = WebhookMetrics::register(&mut registry);
@@ -621,34 +588,14 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let ready = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         client,
-        inject: inject::InjectConfig {
-            image: args.sidecar_image.clone(),
-            image_pull_policy: args.sidecar_image_pull_policy.clone(),
-            native_sidecars,
-            resources: args
-                .sidecar_resources
-                .clone()
-                .unwrap_or_else(inject::default_resources),
-            run_as_user: args.sidecar_run_as_user.0,
-            log_format: args.sidecar_log_format,
-        },
+        inject: inject_config(&args, native_sidecars),
         store: store.clone(),
         metrics,
         exemptions,
         health: ApiHealth::new(ready.clone()),
         budget,
     });
-    {
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            if store.wait_until_ready().await.is_ok() {
-                shared.health.synced.store(true, Ordering::Relaxed);
-                shared.health.refresh();
-                info!("lease cache synced");
-            }
-        });
-    }
-    tokio::spawn(shared.clone().probe_api());
+    start_readiness(&shared, store);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let health = HealthState {
@@ -675,4 +622,88 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         warn!(error = %e, "the metrics server failed");
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Waits for the serving certificate, then keeps reloading it when its files change. Returns
+/// the TLS configuration that serves it and the certificate (for its expiry metric).
+async fn start_tls(
+    args: &WebhookArgs,
+) -> anyhow::Result<(Arc<rustls::ServerConfig>, Arc<ReloadingCert>)> {
+    let files = CertFiles {
+        cert: args.tls_cert.clone(),
+        key: args.tls_key.clone(),
+    };
+    let (first, fingerprint) = wait_for_certificate(&files).await?;
+    let cert = ReloadingCert::new(first);
+    let tls_config =
+        Arc::new(tls::server_config(cert.clone()).context("building the TLS configuration")?);
+    tokio::spawn(cert.clone().watch(
+        files,
+        fingerprint,
+        Duration::from_secs(args.tls_reload_seconds.max(1)),
+    ));
+    Ok((tls_config, cert))
+}
+
+/// Whether the API server runs native sidecars (asks for its version, and logs the answer).
+async fn native_sidecars(client: &Client) -> anyhow::Result<bool> {
+    let version = client
+        .apiserver_version()
+        .await
+        .context("asking the API server for its version")?;
+    let native_sidecars = inject::supports_native_sidecars(&version.major, &version.minor);
+    info!(version = %version.git_version, native_sidecars, "injecting sidecars as {}",
+        if native_sidecars { "native sidecars (init containers that keep running)" } else { "ordinary containers" });
+    Ok(native_sidecars)
+}
+
+/// Starts the watch that fills the cache of FencedLeases (without their managedFields).
+fn start_lease_cache(client: &Client) -> Store<FencedLease> {
+    let (store, writer) = reflector::store::<FencedLease>();
+    let leases: Api<FencedLease> = Api::all(client.clone());
+    let reflect = reflector::reflector(
+        writer,
+        // managedFields are most of a cached lease's size and never read here.
+        watcher(leases, watcher::Config::default().any_semantic())
+            .modify(|l: &mut FencedLease| l.metadata.managed_fields = None),
+    )
+    .default_backoff()
+    .for_each(|ev| async move {
+        if let Err(e) = ev {
+            warn!(error = %e, "watching FencedLeases failed; retrying");
+        }
+    });
+    tokio::spawn(reflect);
+    store
+}
+
+/// What the injector puts in the pods, from the flags.
+fn inject_config(args: &WebhookArgs, native_sidecars: bool) -> inject::InjectConfig {
+    inject::InjectConfig {
+        image: args.sidecar_image.clone(),
+        image_pull_policy: args.sidecar_image_pull_policy.clone(),
+        native_sidecars,
+        resources: args
+            .sidecar_resources
+            .clone()
+            .unwrap_or_else(inject::default_resources),
+        run_as_user: args.sidecar_run_as_user.0,
+        log_format: args.sidecar_log_format,
+    }
+}
+
+/// Readiness: marks the lease cache synced once it is, and keeps reading from the API server
+/// to know it still can.
+fn start_readiness(shared: &Arc<Shared>, store: Store<FencedLease>) {
+    {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if store.wait_until_ready().await.is_ok() {
+                shared.health.synced.store(true, Ordering::Relaxed);
+                shared.health.refresh();
+                info!("lease cache synced");
+            }
+        });
+    }
+    tokio::spawn(shared.clone().probe_api());
 }
