@@ -42,6 +42,9 @@ log "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 log "Python client unit tests (clients/python; tests/client_python.rs runs it against real sidecars)"
 PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tests -t clients/python
+command -v go >/dev/null || die "go not found: the Go client (clients/go) needs Go 1.24 or later on PATH (https://go.dev/dl)"
+log "Go client unit tests (clients/go; tests/client_go.rs runs its integration test against real sidecars)"
+(cd clients/go && go vet ./... && go test -count=1 ./...)
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
 if ! cargo test --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
