@@ -183,7 +183,7 @@ if [ "$MODE" = full ]; then
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
-  VAPS=(--n 10000 --updates 500 --updates-warmup 20 --settle 30 --idle 15)
+  VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
 else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
