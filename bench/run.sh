@@ -22,7 +22,7 @@
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
-#   failover-podgone).
+#   failover-podgone, 16 more for policy-apiserver and policy-scale).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
