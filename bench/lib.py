@@ -403,9 +403,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: str) -> None:
+def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: str,
+                     namespace_labels: dict[str, str] | None = None) -> None:
     """A ValidatingWebhookConfiguration for labelled ConfigMaps in namespaces labelled
-    fencedlease.io/bench-ns=<ns_label>, as the project's tests and demo register it."""
+    fencedlease.io/bench-ns=<ns_label> (or, if given, `namespace_labels`), as the project's tests
+    and demo register it."""
     body = {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
         "metadata": {"name": name},
@@ -414,7 +416,7 @@ def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: st
             "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
             "timeoutSeconds": 5,
             "clientConfig": {"url": f"https://127.0.0.1:{port}/validate", "caBundle": bundle},
-            "namespaceSelector": {"matchLabels": {"fencedlease.io/bench-ns": ns_label}},
+            "namespaceSelector": {"matchLabels": namespace_labels or {"fencedlease.io/bench-ns": ns_label}},
             "objectSelector": {"matchExpressions": [
                 {"key": "fencedlease.io/lease", "operator": "Exists"}]},
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],

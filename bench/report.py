@@ -298,6 +298,102 @@ def main() -> None:
             verdict("webhook adds < 2 ms at p99 through the API server", a["p99"] < 2.0, ab,
                     c.get("note", ""))
 
+    # -- policy mode (issue 18) -----------------------------------------------------------------
+    def le(v):
+        return "-" if v is None else f"<= {v:.3f}"
+
+    def diff(v):
+        return "-" if v is None else f"{v:+.3f}"
+
+    d = load(run, "policy-apiserver")
+    if d and d.get("skipped"):
+        md.append(f"\n### Policy mode beside the webhook through the API server\n\nnot measured: {d['skipped']}")
+    elif d:
+        m = d["modes"]
+        summary["policy_apiserver"] = {
+            mode: {"added_ms": {q: r3(m[mode]["added_ms"][q]) for q in ("p50", "p90", "p99", "mean")},
+                   "added_p99_ci95_ms": [r3(x) for x in m[mode]["added_p99_ci95_ms"]],
+                   "step_validate_ms": {q: r3(m[mode]["server"]["step_validate"].get(q)) for q in ("n", "p50", "p90", "p99")},
+                   "server_added_ms": m[mode].get("server_added_ms")}
+            for mode in ("none", "webhook", "policy")}
+        md.append("\n### Policy mode beside the webhook through the API server (ms)\n")
+        md.append(f"{d['updates_each']} updates of each kind per mode and round, {d['repeat']} round(s), "
+                  "all rounds pooled. Client side: protected and plain updates in turn (added = protected - "
+                  "plain). The API server's own timing (bucket upper bounds) is of the protected updates "
+                  "alone, in a block after them.\n")
+        md.append("| mode | protected p50 / p99 | plain p50 / p99 | **added p50 / p99** (client) | added p99, 95 % CI | "
+                  "validating step p50 / p99 (API server) | step added vs no fencing, p50 / p99 | "
+                  "the judging plugin p50 / p99 | plugin added vs no fencing, p50 / p99 |\n"
+                  "|---|---|---|---|---|---|---|---|---|")
+        for mode in ("none", "webhook", "policy"):
+            x = m[mode]
+            p, q, a, ci = x["protected_ms"], x["plain_ms"], x["added_ms"], x["added_p99_ci95_ms"]
+            st = x["server"]["step_validate"]
+            sa = (x.get("server_added_ms") or {}).get("step_validate") or {}
+            pl = x["server"].get(f"plugin_{mode}") or {}
+            pa = (x.get("server_added_ms") or {}).get("plugin") or {}
+            md.append(f"| {mode} | {p['p50']:.2f} / {p['p99']:.2f} | {q['p50']:.2f} / {q['p99']:.2f} | "
+                      f"**{a['p50']:.2f} / {a['p99']:.2f}** | {ci[0]:.2f} to {ci[1]:.2f} | "
+                      f"{le(st.get('p50'))} / {le(st.get('p99'))} ({st.get('n', 0)}) | "
+                      f"{diff(sa.get('p50'))} / {diff(sa.get('p99'))} | "
+                      + (f"{le(pl.get('p50'))} / {le(pl.get('p99'))} | {diff(pa.get('p50'))} / {diff(pa.get('p99'))} |"
+                         if mode != "none" else "- | - |"))
+        wc = m["webhook"]["server"].get("webhook_call") or {}
+        md.append(f"\nThe API server's call to the webhook (its histogram): {wc.get('n', 0)} calls, "
+                  f"p50 {le(wc.get('p50'))}, p99 {le(wc.get('p99'))} ms.")
+        w_, p_ = m["webhook"], m["policy"]
+        ws, ps = w_.get("server_added_ms", {}).get("step_validate", {}), p_.get("server_added_ms", {}).get("step_validate", {})
+        if ws.get("p99") is not None and ps.get("p99") is not None:
+            verdict("policy mode adds less than the webhook per protected write (issue 18)",
+                    ps["p50"] < ws["p50"] and ps["p99"] < ws["p99"] and p_["added_ms"]["p50"] < w_["added_ms"]["p50"],
+                    f"the API server's validating step, added vs no fencing: policy p50 {ps['p50']:+.3f} ms, "
+                    f"p99 {ps['p99']:+.3f} ms; webhook p50 {ws['p50']:+.3f} ms, p99 {ws['p99']:+.3f} ms. Client "
+                    f"side, added: policy p50 {p_['added_ms']['p50']:.2f} ms, p99 {p_['added_ms']['p99']:.2f} ms; "
+                    f"webhook p50 {w_['added_ms']['p50']:.2f} ms, p99 {w_['added_ms']['p99']:.2f} ms",
+                    "met if the API server's step p50 and p99 and the client-side added p50 are all lower "
+                    "for the policy (the client-side p99s are the shared machine's tails)")
+
+    d = load(run, "policy-scale")
+    if d and d.get("skipped"):
+        md.append(f"\n### Policy mode at scale\n\nnot measured: {d['skipped']}")
+    elif d:
+        n = d["n"]
+        md.append(f"\n### Policy mode at scale: {n} FencedLeases, {d['bindings']} bindings\n")
+        md.append("| stage | kube-apiserver RSS MiB (max) | its Go heap in use MiB | its idle CPU s/s | etcd RSS MiB | "
+                  "protected write added p50 / p99 (client, ms) | validating step p50 / p99 (API server, ms) |\n"
+                  "|---|---|---|---|---|---|---|")
+        rows = {}
+        for key, label in (("one", "1 lease, 1 binding"), ("leases", f"{n} leases, 1 binding"),
+                           ("bound", f"{n} leases, {d['bindings']} bindings")):
+            x = d[key]
+            wr = x.get("writes")
+            st = wr["server"]["step_validate"] if wr else {}
+            rows[key] = {"apiserver_rss_mib": r3(x["apiserver_rss_mib"]), "heap_mib": r3(x["apiserver_heap_inuse_mib"]),
+                         "idle_cpu_per_s": r3(x["apiserver_idle_cpu_per_s"]), "etcd_rss_mib": r3(x["etcd_rss_mib"]),
+                         "added_ms": wr and {q: r3(wr["added_ms"][q]) for q in ("p50", "p99")},
+                         "step_validate_ms": wr and {q: r3(st.get(q)) for q in ("p50", "p99")}}
+            md.append(f"| {label} | {x['apiserver_rss_mib']:.0f} ({x['apiserver_rss_max_mib']:.0f}) | "
+                      f"{x['apiserver_heap_inuse_mib']:.0f} | {x['apiserver_idle_cpu_per_s']:.3f} | {x['etcd_rss_mib']:.0f} | "
+                      + (f"{wr['added_ms']['p50']:.2f} / {wr['added_ms']['p99']:.2f} | {le(st.get('p50'))} / {le(st.get('p99'))} |"
+                         if wr else "- | - |"))
+        md.append(f"\nCreating {n - 1} leases: {d['create_s']:.1f} s ({d['create_apiserver_cpu_s']:.1f} CPU s of the "
+                  f"API server). Binding them (controller start to {d['bindings']} bindings): {d['bound_s']:.1f} s, "
+                  f"in effect after {d['judged_s']:.1f} s; the controller stopped applying after "
+                  f"{d.get('quiet_s', 0):.1f} s ({d.get('binding_applies', 0):.0f} server-side applies); "
+                  f"{d['bind_apiserver_cpu_s']:.1f} CPU s of the API server until then.")
+        summary["policy_scale"] = {"n": n, "bindings": d["bindings"], "stages": rows,
+                                   "bound_s": r3(d["bound_s"]), "judged_s": r3(d["judged_s"]),
+                                   "quiet_s": r3(d.get("quiet_s")), "binding_applies": d.get("binding_applies"),
+                                   "bind_apiserver_cpu_s": r3(d["bind_apiserver_cpu_s"]), "delta": d["delta"]}
+        if n >= 10000:
+            dl = d["delta"]
+            verdict(f"policy mode at {n} leases: the API server's cost (issue 18; no target set)", None,
+                    f"{d['bindings']} bindings added {dl['apiserver_rss_mib_bindings']:+.0f} MiB to the API server's RSS "
+                    f"({n} leases alone {dl['apiserver_rss_mib_leases']:+.0f} MiB), idle CPU "
+                    f"{dl['apiserver_idle_cpu_per_s_bindings']:+.3f} s/s; a protected write's added latency "
+                    f"p50 {dl['write_added_p50_ms']:+.2f} ms, p99 {dl['write_added_p99_ms']:+.2f} ms vs 1 binding",
+                    "figures only: issue 18 asks for the measurement, it sets no bound")
+
     # -- controller --------------------------------------------------------------------------
     d = load(run, "controller-scale")
     if d:

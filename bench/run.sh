@@ -14,11 +14,15 @@
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
+#   policy-apiserver   the same update three ways in one run: no fencing, the webhook, the policy
+#                      (policy mode, issue 18): added latency, client side and the API server's own
+#   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
+#                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
-#   failover-podgone).
+#   failover-podgone, 16 more for policy-apiserver and policy-scale).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
@@ -60,7 +64,7 @@ for a in "$@"; do
   esac
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone apiload webhook-server webhook-apiserver
-  controller-scale)
+  policy-apiserver policy-scale controller-scale)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -178,6 +182,8 @@ if [ "$MODE" = full ]; then
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
+  VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
+  VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
 else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
@@ -187,6 +193,8 @@ else
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
   WHA=(--updates 50 --updates-warmup 10)
+  VAP=(--updates 30 --updates-warmup 5)
+  VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2)
 fi
 
@@ -221,6 +229,8 @@ for n in "${NAMES[@]}"; do
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
+    policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
+    policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
   esac
 done
