@@ -15,33 +15,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lib
 from lib import FENCEDLEASE, Kube, log, now_ns, stats, step
-
-
-def create_leases(kube: Kube, ns: str, n: int) -> float:
-    t0 = time.monotonic()
-    done = [0]
-
-    def one(i: int) -> None:
-        body = {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
-                "metadata": {"name": f"lease-{i:05d}"},
-                "spec": {"holderIdentity": f"holder-{i:05d}", "leaseDurationSeconds": 3600}}
-        try:
-            kube.request("POST", lib.fl_path(ns), body)
-        except lib.ApiError as e:
-            if e.status != 409:
-                raise
-        done[0] += 1
-        if done[0] % 1000 == 0:
-            log(f"  created {done[0]}/{n} FencedLeases")
-
-    with ThreadPoolExecutor(8) as ex:
-        list(ex.map(one, range(n)))
-    return time.monotonic() - t0
 
 
 def ok_count(mport: int) -> tuple[float, float, float]:
@@ -125,7 +102,7 @@ def run_one(n: int, args, kube: Kube) -> dict:
     kube.create_namespace(ctl_ns)
     work = lib.WORK / ns
     step(f"controller scale N={n}: creating {n} held FencedLeases")
-    create_s = create_leases(kube, ns, n)
+    create_s = lib.create_leases(kube, ns, [f"lease-{i:05d}" for i in range(n)])
     res: dict = {"n": n, "create_s": create_s}
     step(f"controller scale N={n}: cold start")
     t0 = time.monotonic()

@@ -38,7 +38,6 @@ import argparse
 import json
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lib
@@ -393,27 +392,6 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
 # -- part 2: N leases, N bindings -------------------------------------------------------------
 
 
-def create_leases(kube: Kube, ns: str, names: list[str]) -> float:
-    t0 = time.monotonic()
-    done = [0]
-
-    def one(name: str) -> None:
-        body = {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease", "metadata": {"name": name},
-                "spec": {"holderIdentity": f"holder-{name}", "leaseDurationSeconds": 3600}}
-        try:
-            kube.request("POST", lib.fl_path(ns), body)
-        except lib.ApiError as e:
-            if e.status != 409:
-                raise
-        done[0] += 1
-        if done[0] % 2000 == 0:
-            log(f"  created {done[0]}/{len(names)} FencedLeases")
-
-    with ThreadPoolExecutor(8) as ex:
-        list(ex.map(one, names))
-    return time.monotonic() - t0
-
-
 def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
     """After `settle` s: the API server's and etcd's RSS (five readings over the idle window,
     median and max) and CPU seconds per second while idle; the API server's Go heap."""
@@ -516,7 +494,7 @@ def scale(args, kube: Kube, work: Path) -> dict:
         lib.wait_until(lambda: not ctl.alive(), 30, "the controller to stop")
         names = [f"lease-{i:05d}" for i in range(1, n)]
         c0 = cpu_seconds(api)
-        res["create_s"] = create_leases(kube, ns, names)
+        res["create_s"] = lib.create_leases(kube, ns, names, log_every=2000)
         res["create_apiserver_cpu_s"] = cpu_seconds(api) - c0
         res["leases"] = footprint(kube, args.settle, args.idle, f"{n} leases, 1 binding")
 
