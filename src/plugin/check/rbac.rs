@@ -240,7 +240,10 @@ fn pair_finding(ns: &str, pair: &Pair, answers: &Answers) -> Finding {
         Ok(a) => a,
         Err(e) => {
             return Finding::fail(
-                format!("could not ask whether {who} may campaign for lease {lease}: {e}"),
+                format!(
+                    "could not ask whether {who} may campaign for lease {lease}: {}",
+                    reason(e)
+                ),
                 "run check again; if it persists, read the API server's log",
             )
         }
@@ -279,7 +282,7 @@ pub fn grant(ns: &str, sa: &str, lease: &str) -> String {
 
 fn reviews_forbidden(ns: &str, pair: &Pair, answers: &Answers) -> Finding {
     let why = match answers {
-        Err(e) => e.to_string(),
+        Err(e) => reason(e),
         Ok(_) => String::new(),
     };
     let (sa, lease) = (&pair.service_account, &pair.lease);
@@ -290,10 +293,19 @@ fn reviews_forbidden(ns: &str, pair: &Pair, answers: &Answers) -> Finding {
     )
 }
 
+/// The API server's message, or the error (kube's Display of an API error repeats the whole
+/// Status).
+fn reason(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => s.message.clone(),
+        e => e.to_string(),
+    }
+}
+
 /// A finding for a workload list this user may not read.
 pub fn unreadable(ns: &str, what: &str, e: &kube::Error) -> Finding {
     Finding::fail(
-        format!("could not list {what} in namespace {ns} to find the ServiceAccounts that campaign: {e}"),
+        format!("could not list {what} in namespace {ns} to find the ServiceAccounts that campaign: {}", reason(e)),
         format!("check needs list on pods, deployments, statefulsets and daemonsets there (`kubectl -n {ns} auth can-i list {what}`); or pass -n NAMESPACE"),
     )
 }
@@ -596,6 +608,31 @@ mod tests {
             f[1].what.contains("7 more (ServiceAccount, lease) pair(s)"),
             "{f:?}"
         );
+    }
+
+    #[test]
+    fn an_unreadable_workload_list_says_which_right_is_missing() {
+        let Err(e) = api_error(
+            403,
+            "statefulsets.apps is forbidden: User \"dev\" cannot list",
+        ) else {
+            unreachable!()
+        };
+        let f = unreadable("shop", "statefulsets", &e);
+        assert!(
+            !f.ok
+                && f.what
+                    .contains("could not list statefulsets in namespace shop"),
+            "{f:?}"
+        );
+        assert!(
+            f.what.ends_with("cannot list"),
+            "the server's message, not the whole Status: {f:?}"
+        );
+        assert!(f
+            .fix
+            .unwrap()
+            .contains("kubectl -n shop auth can-i list statefulsets"));
     }
 
     #[test]
