@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{campaign, scratch_dir};
-use common::{client, ensure_crd, eventually, kubeconfig_path, TestNamespace};
+use common::{client, ensure_crd, eventually, kubeconfig_path, kubectl, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
@@ -21,9 +21,18 @@ struct Run {
 
 /// Runs `program` with `args` against the test cluster, stdin not a terminal.
 fn run_program(program: &std::path::Path, args: &[&str]) -> Run {
+    run_with_kubeconfig(program, &kubeconfig_path(), args)
+}
+
+/// [`run_program`] with another kubeconfig (one acting as another user, say).
+fn run_with_kubeconfig(
+    program: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+) -> Run {
     let out = Command::new(program)
         .args(args)
-        .env("KUBECONFIG", kubeconfig_path())
+        .env("KUBECONFIG", kubeconfig)
         .stdin(Stdio::null())
         .output()
         .expect("running fencedlease");
@@ -231,4 +240,171 @@ async fn check_reports_the_crd_and_the_binary_answers_by_its_plugin_name() {
         .count();
     assert_eq!(failures, fixes, "{}", r.stdout);
     assert_eq!(r.ok, failures == 0, "{}", r.stdout);
+}
+
+/// Runs kubectl and panics with its output unless it succeeds.
+fn kubectl_ok(args: &[&str]) {
+    let (ok, out, err) = kubectl(args);
+    assert!(ok, "kubectl {} failed:\n{err}\n{out}", args.join(" "));
+}
+
+/// The line of `check`'s report that contains `part`, and the line after it (the fix).
+fn report_line<'a>(report: &'a str, part: &str) -> Option<(&'a str, &'a str)> {
+    let mut lines = report.lines();
+    let line = lines.by_ref().find(|l| l.contains(part))?;
+    Some((line, lines.next().unwrap_or_default()))
+}
+
+#[tokio::test]
+async fn check_says_whether_the_service_account_of_a_campaigning_deployment_may_campaign() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-rbac").await;
+    let n = ns.name.as_str();
+    let r = plugin(n, &["check"]);
+    let none = format!("✓ no pod, Deployment, StatefulSet or DaemonSet in namespace {n} is annotated fencedlease.io/lease");
+    assert!(r.stdout.contains(&none), "{}\n{}", r.stdout, r.stderr);
+
+    kubectl_ok(&["-n", n, "create", "serviceaccount", "inventory"]);
+    let deployment = serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "inventory"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "inventory"}},
+            "template": {
+                "metadata": {"labels": {"app": "inventory"},
+                             "annotations": {"fencedlease.io/lease": "inventory"}},
+                "spec": {"serviceAccountName": "inventory",
+                         "containers": [{"name": "app", "image": "registry.invalid/app"}]}}}
+    });
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client.clone(), n);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(deployment).expect("deployment literal"),
+        )
+        .await
+        .expect("create deployment");
+
+    let r = plugin(n, &["check"]);
+    eprintln!("{}", r.stdout);
+    let (line, fix) = report_line(&r.stdout, &format!("ServiceAccount {n}/inventory"))
+        .unwrap_or_else(|| panic!("no finding on the ServiceAccount:\n{}", r.stdout));
+    assert!(line.starts_with("✗"), "{line}");
+    assert!(
+        line.contains("may not campaign for lease inventory (deployment/inventory"),
+        "{line}"
+    );
+    assert!(line.contains("missing get fencedleases, list fencedleases, watch fencedleases, update fencedleases, update fencedleases/status"), "{line}");
+    let role = format!("kubectl -n {n} create role inventory-lease --verb=get,list,watch,update --resource=fencedleases.fencedlease.io,fencedleases.fencedlease.io/status --resource-name=inventory");
+    assert!(
+        fix.trim_start().starts_with('→') && fix.contains(&role),
+        "{fix}"
+    );
+    assert!(!r.ok, "a failed finding fails the command");
+
+    // The README's Role and RoleBinding.
+    kubectl_ok(&[
+        "-n",
+        n,
+        "create",
+        "role",
+        "inventory-lease",
+        "--verb=get,list,watch,update",
+        "--resource=fencedleases.fencedlease.io,fencedleases.fencedlease.io/status",
+        "--resource-name=inventory",
+    ]);
+    kubectl_ok(&[
+        "-n",
+        n,
+        "create",
+        "rolebinding",
+        "inventory-lease",
+        "--role=inventory-lease",
+        &format!("--serviceaccount={n}:inventory"),
+    ]);
+    let ok = format!(
+        "✓ ServiceAccount {n}/inventory may campaign for lease inventory (deployment/inventory"
+    );
+    // RBAC takes a moment to see the new binding.
+    let r = eventually(
+        Duration::from_secs(15),
+        "check to find the rights",
+        || async {
+            let r = plugin(n, &["check"]);
+            r.stdout.contains(&ok).then_some(r)
+        },
+    )
+    .await;
+    eprintln!("{}", r.stdout);
+    assert!(
+        !r.stdout
+            .lines()
+            .any(|l| l.starts_with('✗') && l.contains("ServiceAccount")),
+        "{}",
+        r.stdout
+    );
+    let failures = r.stdout.lines().filter(|l| l.starts_with('✗')).count();
+    assert_eq!(r.ok, failures == 0, "{}", r.stdout);
+}
+
+/// Cluster-scoped objects of one test, deleted (in the background) when dropped.
+struct ClusterObjects(Vec<(&'static str, String)>);
+
+impl Drop for ClusterObjects {
+    fn drop(&mut self) {
+        for (kind, name) in &self.0 {
+            let _ = kubectl(&["delete", kind, name, "--ignore-not-found", "--wait=false"]);
+        }
+    }
+}
+
+#[tokio::test]
+async fn check_by_a_user_who_may_not_ask_about_rights_says_so_instead_of_crashing() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-rbac-forbidden").await;
+    let n = ns.name.as_str();
+    candidate_pod(&client, n, "a", "inventory").await;
+    // A user who may read everything check reads, but not create SubjectAccessReviews.
+    let user = format!("{n}-viewer");
+    let _cleanup = ClusterObjects(vec![
+        ("clusterrole", user.clone()),
+        ("clusterrolebinding", user.clone()),
+    ]);
+    kubectl_ok(&["create", "clusterrole", &user, "--verb=get,list",
+        "--resource=customresourcedefinitions.apiextensions.k8s.io,validatingwebhookconfigurations.admissionregistration.k8s.io,mutatingwebhookconfigurations.admissionregistration.k8s.io,deployments.apps,statefulsets.apps,daemonsets.apps,pods"]);
+    kubectl_ok(&[
+        "create",
+        "clusterrolebinding",
+        &user,
+        &format!("--clusterrole={user}"),
+        &format!("--user={user}"),
+    ]);
+    let dir = scratch_dir("plugin-rbac-forbidden");
+    let kubeconfig = common::helm::kubeconfig_as(&user, &dir);
+    let line = "✗ could not check whether the ServiceAccounts of namespace";
+    let r = eventually(
+        Duration::from_secs(15),
+        "check to run as the viewer",
+        || async {
+            let r = run_with_kubeconfig(
+                env!("CARGO_BIN_EXE_fencedlease").as_ref(),
+                &kubeconfig,
+                &["kubectl", "-n", n, "check"],
+            );
+            r.stdout.contains(line).then_some(r)
+        },
+    )
+    .await;
+    eprintln!("{}", r.stdout);
+    let (found, fix) = report_line(&r.stdout, line).expect("the line");
+    assert!(
+        found.contains("may not create subjectaccessreviews.authorization.k8s.io"),
+        "{found}"
+    );
+    assert!(
+        fix.contains(&format!("--as=system:serviceaccount:{n}:default")),
+        "{fix}"
+    );
+    assert!(!r.ok, "{}", r.stdout);
 }

@@ -1,5 +1,8 @@
 //! `check`: is fencedlease installed and working? Each finding says what to do when it is not.
 //! The verdicts are pure functions of the fetched objects; [`gather`] does the fetching.
+//! [`rbac`] checks the sidecar's rights in the namespace (-n).
+
+pub mod rbac;
 
 use std::sync::Arc;
 
@@ -413,6 +416,7 @@ pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, Che
             probe_ns,
         ));
     }
+    out.extend(rbac::gather(client, probe_ns).await);
     Ok(out)
 }
 

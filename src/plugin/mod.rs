@@ -84,7 +84,9 @@ pub enum PluginCommand {
     },
     /// Check the install: CRD, webhook configurations and their caBundle, Deployments, and that
     /// the fence answers: a dry-run write of a protected ConfigMap without a token in the
-    /// namespace (-n) must be refused.
+    /// namespace (-n) must be refused. And in that namespace, that each ServiceAccount of pods
+    /// (or Deployment, StatefulSet, DaemonSet templates) annotated fencedlease.io/lease may do
+    /// what the sidecar does to its lease (asked with SubjectAccessReviews).
     Check,
 }
 

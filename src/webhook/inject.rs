@@ -352,7 +352,7 @@ pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), String> {
 }
 
 /// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
-fn valid_name(s: &str) -> bool {
+pub fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
         && s.bytes()
