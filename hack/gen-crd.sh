@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates crds/ from the Rust types (src/api.rs): the CRD with CEL validation rules (for
+# Regenerates crds/ from the Rust types (elector/src/api.rs): the CRD with CEL validation rules (for
 # Kubernetes 1.25 and later), the one without them in crds/pre-1.25/, and the chart's copy of
 # the first. A test fails when any of them differs.
 set -euo pipefail

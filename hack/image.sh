@@ -33,7 +33,7 @@ UID_NONROOT=65532
 
 stale_binary() {
   [ -x "$BIN" ] || return 0
-  [ -n "$(find "$FL_REPO/src" "$FL_REPO/Cargo.toml" "$FL_REPO/Cargo.lock" -newer "$BIN" -print -quit 2>/dev/null)" ]
+  [ -n "$(find "$FL_REPO/src" "$FL_REPO/elector/src" "$FL_REPO/elector/Cargo.toml" "$FL_REPO/Cargo.toml" "$FL_REPO/Cargo.lock" -newer "$BIN" -print -quit 2>/dev/null)" ]
 }
 
 mkdir -p "$OUT_DIR"

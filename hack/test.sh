@@ -38,18 +38,22 @@ FL_IMAGE_PROFILE=debug hack/image.sh
 
 log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
-log "cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets --quiet -- -D warnings
+# The workspace: the root package and the elector library (elector/).
+log "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
 log "Python client unit tests (clients/python; tests/client_python.rs runs it against real sidecars)"
 PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tests -t clients/python
 command -v go >/dev/null || die "go not found: the Go client (clients/go) needs Go 1.24 or later on PATH (https://go.dev/dl)"
 log "Go client unit tests (clients/go; tests/client_go.rs runs its integration test against real sidecars)"
 (cd clients/go && go vet ./... && go test -count=1 ./...)
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
-if ! cargo test --all-targets --no-fail-fast -- "$@"; then
+if ! cargo test --workspace --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
 fi
+# --all-targets leaves out doc tests: the elector crate's documented examples must compile.
+log "elector crate doc tests"
+cargo test -p fencedlease-elector --doc -- "$@"
 # The compatibility subset on the oldest release we support, on a second local Kubernetes of
 # its own: the CRD, election, the controller, the fencing webhook, injection with the sidecar
 # as an ordinary container (no native sidecars before 1.29), the chart. (No node: the pods'
@@ -57,7 +61,8 @@ fi
 old_k8s="$FL_K8S_LEGACY_VERSION"
 compat_tests=()
 for n in crd_api election controller webhook fencing_presented fencing_exempt fencing_subresources \
-  fencing_server_side_apply injection_patch sidecar lease_rights chart crd_rules webhook_match_conditions; do
+  fencing_server_side_apply injection_patch sidecar lease_rights chart crd_rules webhook_match_conditions \
+  elector_crate; do
   [ -f "tests/$n.rs" ] || die "hack/test.sh names a compatibility test tests/$n.rs that does not exist"
   compat_tests+=(--test "$n")
 done

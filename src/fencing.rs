@@ -3,15 +3,12 @@
 
 use std::fmt;
 
-/// Label on a protected object naming the FencedLease (same namespace) that guards it.
-pub const LEASE_LABEL: &str = "fencedlease.io/lease";
-/// Annotation carrying the writer's fencing token (the lease's `metadata.generation`).
-pub const TOKEN_ANNOTATION: &str = "fencedlease.io/token";
-/// Annotation carrying the lease UID the token belongs to (tokens restart on a re-created lease).
-pub const LEASE_UID_ANNOTATION: &str = "fencedlease.io/lease-uid";
-/// Annotation carrying a value new on every write (a UUID, say): the proof that the write
-/// presented its token itself rather than inheriting the stored one.
-pub const WRITE_ID_ANNOTATION: &str = "fencedlease.io/write-id";
+// The label and the annotations a write presents its token with: defined with the elector
+// (fencedlease-elector's `stamp` module), which stamps them for Rust programs.
+pub use fencedlease_elector::stamp::{
+    LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
+};
+
 /// Annotation on a Namespace choosing the mode for the protected objects in it: `enforce`
 /// (default) or `warn`. Annotations on the protected objects themselves choose nothing.
 pub const MODE_ANNOTATION: &str = "fencedlease.io/fencing";

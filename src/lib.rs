@@ -2,11 +2,16 @@
 //! enforces.
 //!
 //! - [`api`]: the `FencedLease` custom resource; its `metadata.generation` is the fencing token.
+//! - [`lease`]: the election (rules and elector).
 //! - [`crdgen`]: the CRD YAML generated from those types.
 //! - [`cli`]: the `fencedlease` command's subcommands.
 //! - [`plugin`]: `kubectl fencedlease` (status, who, handover, release, check).
+//!
+//! `api` and `lease` live in the `fencedlease-elector` crate (elector/), a library for other
+//! kube-rs programs; they are re-exported here under their old paths.
 
-pub mod api;
+pub use fencedlease_elector::{api, lease};
+
 pub mod campaign;
 pub mod certs;
 pub mod cli;
@@ -14,7 +19,6 @@ pub mod controller;
 pub mod crdgen;
 pub mod fencing;
 pub mod holder;
-pub mod lease;
 pub mod logging;
 pub mod metrics;
 pub mod owners;

@@ -30,7 +30,7 @@ fn committed_crds_match_generated() {
             .unwrap_or_else(|e| panic!("reading {path}: {e}"));
         assert!(
             committed == printed(args),
-            "{path} is out of date with src/api.rs: run `hack/gen-crd.sh` and commit the result"
+            "{path} is out of date with elector/src/api.rs: run `hack/gen-crd.sh` and commit the result"
         );
     }
 }

@@ -14,24 +14,31 @@ pub const GROUP: &str = "fencedlease.io";
 pub const FIELD_MANAGER: &str = "fencedlease-controller";
 /// Default `spec.leaseDurationSeconds`.
 pub const DEFAULT_LEASE_DURATION_SECONDS: i32 = 15;
-/// Bounds of `spec.leaseDurationSeconds`, enforced by the CRD schema.
+/// Lower bound of `spec.leaseDurationSeconds`, enforced by the CRD schema.
 pub const MIN_LEASE_DURATION_SECONDS: i32 = 1;
+/// Upper bound of `spec.leaseDurationSeconds`, enforced by the CRD schema.
 pub const MAX_LEASE_DURATION_SECONDS: i32 = 3600;
 
 /// CEL validation rules of the CRD (`x-kubernetes-validations`), as (rule, message): the API
 /// server enforces them from Kubernetes 1.25 (GA in 1.29), and the CRD for older servers
-/// ([`crate::crdgen`]) leaves them out. Every writer of the product keeps them: the holder
-/// writes `holderIdentity`, `token` and `leaseDurationSeconds` together with every renewal, the
-/// controller clears the three together when the lease is free, and only the holder changes
-/// `leaseTransitions`, by adding one when it takes over.
+/// (`fencedlease crd --without-validation-rules`) leaves them out. Every writer of the product
+/// keeps them: the holder writes `holderIdentity`, `token` and `leaseDurationSeconds` together
+/// with every renewal, the controller clears the three together when the lease is free, and
+/// only the holder changes `leaseTransitions`, by adding one when it takes over.
+///
+/// This one: `status.holderIdentity` and `status.token` are set together.
 pub const STATUS_HOLDER_AND_TOKEN_TOGETHER: (&str, &str) = (
     "has(self.holderIdentity) == has(self.token)",
     "status.holderIdentity and status.token must be set together: the token is the named holder's",
 );
+/// CEL rule of the CRD (see [`STATUS_HOLDER_AND_TOKEN_TOGETHER`]): `status.leaseDurationSeconds`
+/// is set only with `status.holderIdentity`.
 pub const STATUS_DURATION_NEEDS_HOLDER: (&str, &str) = (
     "!has(self.leaseDurationSeconds) || has(self.holderIdentity)",
     "status.leaseDurationSeconds needs status.holderIdentity: it is the duration that holder renewed under",
 );
+/// CEL rule of the CRD (see [`STATUS_HOLDER_AND_TOKEN_TOGETHER`]): `status.leaseTransitions`
+/// never decreases.
 pub const TRANSITIONS_NEVER_DECREASE: (&str, &str) = (
     "self >= oldSelf",
     "status.leaseTransitions counts changes of holder and never decreases",

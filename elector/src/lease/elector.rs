@@ -27,10 +27,15 @@ const RETRY_BACKOFF: Duration = Duration::from_millis(250);
 /// How long a release may take on shutdown.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Why an elector could not be made, or stopped campaigning.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// [`ElectorConfig::timing_override`] breaks a relation the safety argument needs (see
+    /// [`Timing::validate`]), or its lease duration is longer than the CRD allows.
     #[error("invalid timing: {0}")]
     Timing(String),
+    /// The watch stream on the FencedLease ended (kube's watcher retries errors by itself, so
+    /// this is not expected).
     #[error("the watch on the FencedLease ended unexpectedly")]
     WatchEnded,
 }
@@ -52,13 +57,19 @@ pub enum LeaderState {
     Unknown,
     /// Someone else holds the lease, or nobody does.
     Following {
+        /// The current holder, if any (as last seen).
         holder: Option<String>,
+        /// The lease's current token (`metadata.generation`), as last seen.
         token: Option<i64>,
     },
     /// This participant holds the lease with this token, until `valid_until` at the latest
     /// unless a renewal succeeds first.
     Leading {
+        /// The token to present with every protected write.
         token: FencingToken,
+        /// When leadership ends unless a renewal succeeds first: a safety margin before any
+        /// other participant could take over. Check it before acting (see
+        /// [`LeaderState::leading_token`]).
         valid_until: Instant,
     },
 }
@@ -77,8 +88,12 @@ impl LeaderState {
 /// Which lease to campaign for, and as whom.
 #[derive(Clone, Debug)]
 pub struct ElectorConfig {
+    /// The namespace of the FencedLease.
     pub namespace: String,
+    /// The name of the FencedLease.
     pub lease: String,
+    /// This participant's identity, unique among the candidates (a pod name, say): it is
+    /// written to `spec.holderIdentity` while this participant holds the lease.
     pub identity: String,
     /// Create the FencedLease with this `leaseDurationSeconds` when it does not exist.
     pub create_with_duration: Option<i32>,
@@ -88,9 +103,32 @@ pub struct ElectorConfig {
     pub timing_override: Option<Timing>,
 }
 
+impl ElectorConfig {
+    /// Campaign for the FencedLease `lease` in `namespace` as `identity`. The lease is not
+    /// created (set [`ElectorConfig::create_with_duration`] for that) and the timing follows
+    /// its `spec.leaseDurationSeconds`.
+    pub fn new(
+        namespace: impl Into<String>,
+        lease: impl Into<String>,
+        identity: impl Into<String>,
+    ) -> ElectorConfig {
+        ElectorConfig {
+            namespace: namespace.into(),
+            lease: lease.into(),
+            identity: identity.into(),
+            create_with_duration: None,
+            create_owner: None,
+            timing_override: None,
+        }
+    }
+}
+
 /// The handle a user of the elector keeps: the state channel and a way to step down.
 #[derive(Clone, Debug)]
 pub struct ElectorHandle {
+    /// This participant's leadership, updated on every change (and set to
+    /// [`LeaderState::Unknown`] when [`Elector::run`] returns). Clone it to watch it from
+    /// several tasks.
     pub state: watch::Receiver<LeaderState>,
     release: Arc<Notify>,
     eligible: Arc<watch::Sender<bool>>,
@@ -137,6 +175,9 @@ pub struct Elector {
 }
 
 impl Elector {
+    /// An elector for `cfg`, and the handle to follow and steer it. Nothing happens until
+    /// [`Elector::run`] is awaited (or spawned). Fails only on an invalid
+    /// [`ElectorConfig::timing_override`].
     pub fn new(client: Client, cfg: ElectorConfig) -> Result<(Elector, ElectorHandle), Error> {
         if let Some(t) = &cfg.timing_override {
             t.validate().map_err(Error::Timing)?;

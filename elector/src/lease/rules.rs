@@ -77,16 +77,22 @@ impl Timing {
 /// (the holder's `status.renewTime`, which it keeps strictly increasing) or a new object.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Activity {
+    /// `metadata.uid` (a re-created lease is a new object).
     pub uid: String,
+    /// `metadata.generation`, the token.
     pub generation: i64,
+    /// `spec.holderIdentity`, empty counted as none.
     pub holder: Option<String>,
+    /// `status.renewTime`, as written.
     pub renew_marker: Option<String>,
 }
 
 /// A candidate's (or the controller's) memory of a lease: its last activity and when it saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Observation {
+    /// The last activity seen.
     pub activity: Activity,
+    /// When this observer first saw it, on its own monotonic clock.
     pub observed_at: Mono,
 }
 
@@ -107,6 +113,8 @@ impl Observation {
         self.observed_at + lease_duration
     }
 
+    /// Whether the lease expired for this observer at `now`: no new activity for
+    /// `lease_duration` since it saw the last one.
     pub fn is_expired(&self, lease_duration: Duration, now: Mono) -> bool {
         now >= self.expires_at(lease_duration)
     }
@@ -270,7 +278,10 @@ pub enum HolderAction {
     /// Someone else is preferred: release the lease so that they get it.
     StepDown,
     /// Renew now, with a request that may take at most this long.
-    Renew { budget: Duration },
+    Renew {
+        /// How long the renewal request may take: never past the end of validity.
+        budget: Duration,
+    },
     /// Nothing until this moment.
     WaitUntil(Mono),
 }
@@ -312,6 +323,8 @@ pub enum ControllerAction {
     Revoke,
 }
 
+/// The controller's decision about a lease it watches, from its own observation of the lease's
+/// activity: free, held until a moment, or expired (revoke it).
 pub fn controller_decision(
     obs: &Observation,
     lease_duration: Duration,
@@ -329,7 +342,10 @@ pub fn controller_decision(
 /// pair is never handed out twice. Within one UID, generations only increase.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct FencingToken {
+    /// The lease's `metadata.uid`.
     pub lease_uid: String,
+    /// The lease's `metadata.generation` the holder's acquisition produced (or a later one, if
+    /// the spec was edited while it held the lease).
     pub generation: i64,
 }
 

@@ -1,0 +1,10 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+pub mod api;
+pub mod lease;
+pub mod stamp;
+
+pub use api::{FencedLease, FencedLeaseSpec, FencedLeaseStatus};
+pub use lease::elector::{Elector, ElectorConfig, ElectorHandle, Error, LeaderState};
+pub use lease::rules::{FencingToken, Timing};

@@ -1,0 +1,174 @@
+//! The elector as a library (the fencedlease-elector crate, issue 20), used the way another
+//! kube-rs program would: only `fencedlease_elector::` paths, two electors in one process on
+//! one lease, against a real kube-apiserver. No controller runs: failover must not need it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, ensure_crd, eventually, TestNamespace};
+use fencedlease_elector::{
+    Elector, ElectorConfig, ElectorHandle, FencedLease, FencingToken, LeaderState,
+};
+use kube::{Api, Client};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+/// One participant: its handle, the way to stop it, and its task.
+struct Participant {
+    identity: &'static str,
+    handle: ElectorHandle,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<Result<(), fencedlease_elector::Error>>,
+}
+
+impl Participant {
+    fn start(client: &Client, ns: &str, lease: &str, identity: &'static str) -> Participant {
+        let mut cfg = ElectorConfig::new(ns, lease, identity);
+        cfg.create_with_duration = Some(2);
+        let (elector, handle) = Elector::new(client.clone(), cfg).expect("a valid config");
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(elector.run(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        Participant {
+            identity,
+            handle,
+            stop,
+            task,
+        }
+    }
+
+    fn token(&self) -> Option<FencingToken> {
+        self.handle
+            .state
+            .borrow()
+            .leading_token(Instant::now())
+            .cloned()
+    }
+
+    /// Stops campaigning; the elector releases the lease on its way out.
+    async fn shut_down(self) {
+        let _ = self.stop.send(true);
+        let res = tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("the elector stops within 10 s of its shutdown");
+        res.expect("the elector task does not panic")
+            .expect("the elector stops without error");
+        assert_eq!(*self.handle.state.borrow(), LeaderState::Unknown);
+    }
+}
+
+/// Waits until exactly one of `ps` leads; returns its index and token. Also checks the other
+/// follows that leader.
+async fn sole_leader(ps: &[&Participant]) -> (usize, FencingToken) {
+    eventually(
+        Duration::from_secs(30),
+        "exactly one elector to lead",
+        || async {
+            let leading: Vec<(usize, FencingToken)> = ps
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| p.token().map(|t| (i, t)))
+                .collect();
+            match leading.as_slice() {
+                [(i, t)] => Some((*i, t.clone())),
+                _ => None,
+            }
+        },
+    )
+    .await
+}
+
+/// For `d`, samples every 10 ms that no two participants lead at once.
+async fn never_two_leaders(ps: &[&Participant], d: Duration) {
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        let leading: Vec<&str> = ps
+            .iter()
+            .filter(|p| p.token().is_some())
+            .map(|p| p.identity)
+            .collect();
+        assert!(leading.len() <= 1, "two leaders at once: {leading:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_token() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "elector-crate").await;
+    let a = Participant::start(&client, &ns.name, "db", "a");
+    let b = Participant::start(&client, &ns.name, "db", "b");
+
+    let (i, first) = sole_leader(&[&a, &b]).await;
+    let (leader, other) = if i == 0 { (a, b) } else { (b, a) };
+    // The other follows the leader and sees its token; over several renewals (every 2/3 s),
+    // there is never a second leader.
+    never_two_leaders(&[&leader, &other], Duration::from_millis(1500)).await;
+    eventually(
+        Duration::from_secs(5),
+        "the other to follow the leader",
+        || async {
+            let s = other.handle.state.borrow().clone();
+            let want = LeaderState::Following {
+                holder: Some(leader.identity.to_string()),
+                token: Some(first.generation),
+            };
+            (s == want).then_some(())
+        },
+    )
+    .await;
+    // The lease object agrees: the same holder, with this token in status.
+    let api: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    let lease = api.get("db").await.expect("the electors created the lease");
+    assert_eq!(lease.holder(), Some(leader.identity));
+    assert_eq!(lease.token(), Some(first.generation));
+    assert_eq!(
+        lease.metadata.uid.as_deref(),
+        Some(first.lease_uid.as_str())
+    );
+
+    // Step down by request: the leader releases and stays out; the other takes over through
+    // its watch, well inside one lease duration, with a strictly larger token.
+    let released_at = Instant::now();
+    leader.handle.request_release();
+    let second = eventually(Duration::from_secs(10), "the other to lead", || async {
+        other.token()
+    })
+    .await;
+    let took = released_at.elapsed();
+    eprintln!("handover after request_release: {took:?} (lease 2 s)");
+    assert!(took < Duration::from_secs(2), "handover took {took:?}");
+    assert!(
+        second.generation > first.generation,
+        "{second} after {first}"
+    );
+    assert_eq!(second.lease_uid, first.lease_uid);
+    assert!(leader.token().is_none(), "the one that stepped down leads");
+    never_two_leaders(&[&leader, &other], Duration::from_millis(500)).await;
+
+    // Step down by shutting down: the elector releases on its way out, and the first leader
+    // (out of the running for one lease duration after its release) leads again with a
+    // strictly larger token still.
+    other.shut_down().await;
+    let third = eventually(
+        Duration::from_secs(10),
+        "the first leader to lead again",
+        || async { leader.token() },
+    )
+    .await;
+    assert!(
+        third.generation > second.generation,
+        "{third} after {second}"
+    );
+    assert_eq!(third.lease_uid, first.lease_uid);
+    leader.shut_down().await;
+
+    // Both released: the lease is free, with a token beyond every one handed out.
+    let lease = api.get("db").await.expect("the lease stays");
+    assert_eq!(lease.holder(), None);
+    assert!(lease.token() > Some(third.generation));
+}
