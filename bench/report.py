@@ -87,7 +87,9 @@ def main() -> None:
     for sc, title in (("kill", "crash (SIGKILL of the holder)"),
                       ("stop", "pause (SIGSTOP of the holder past the lease)"),
                       ("term", "graceful handover (SIGTERM of the holder)"),
-                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)")):
+                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)"),
+                      ("exited", "a known death on a real node (the holder's campaigning container "
+                                 "SIGKILLed; the kubelet restarts it)")):
         d = load(run, f"failover-{sc}")
         if not d:
             continue
@@ -114,12 +116,13 @@ def main() -> None:
                                       if t["system"] == sy and "failover_s" in t]
                   for sy in systems}
         vl = [(L, f"lease {L} s")] if sc != "term" else []
-        xlabel = ("seconds from the pod's deletion to the next leader's 'leading' event" if sc == "podgone"
-                  else "seconds from the signal to the next leader's 'leading' event")
+        xlabel = {"podgone": "seconds from the pod's deletion to the next leader's 'leading' event",
+                  "exited": "seconds from the kill to the next holder the API server records"}.get(
+                      sc, "seconds from the signal to the next leader's 'leading' event")
         svg = ecdf_svg(series, title=f"Failover after {title}, lease {L} s", xlabel=xlabel,
                        log_x=(sc == "term"), vlines=vl)
         (plots / f"failover-{sc}.svg").write_text(svg)
-        if sc != "term":
+        if sc not in ("term", "exited"):
             late = {LABEL.get(sy, sy): [t["lateness_s"] for t in d["trials"] if t["system"] == sy
                                         and t.get("lateness_s") is not None] for sy in systems}
             late = {k: v for k, v in late.items() if v}
@@ -144,7 +147,12 @@ def main() -> None:
                           + "; ".join(f"{k}: " + ", ".join(f"+{st} in {n}" for st, n in v.items())
                                       for k, v in steps.items()) + ".")
             md.append("")
-        sig = "deletion" if sc == "podgone" else "signal"
+        sig = {"podgone": "deletion", "exited": "kill"}.get(sc, "signal")
+        if sc == "exited":
+            same = {LABEL.get(sy, sy): s[sy].get("next_leader_in_the_killed_pod") for sy in systems}
+            md.append("Observed for both systems alike: a watch of the lease object on this machine; "
+                      "trials whose next holder was the killed pod itself (its restarted container): "
+                      + ", ".join(f"{k} {v}" for k, v in same.items()) + ".\n")
         md.append("| measure | system | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", f"{sig} -> next leader"),
                          ("lateness_s", "next leader - (last renewal + lease)"),
