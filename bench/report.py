@@ -430,6 +430,38 @@ def main() -> None:
             verdict("controller: 10,000 leases in < 150 MiB resident", big[0]["peak_rss_mib"] < 150,
                     f"peak {big[0]['peak_rss_mib']:.1f} MiB, steady {big[0]['steady_rss_mib']:.1f} MiB")
 
+    # -- footprints (issue 21) -------------------------------------------------------------------
+    d = load(run, "footprint")
+    if d:
+        idle, px, c = d["idle"], d["proxy"], d["config"]
+        md.append(f"\n### Footprints: one sidecar, and its API proxy\n\n{c['sidecars']} sidecars on one "
+                  f"{c['lease_s']} s lease, idle for {idle['window_s']:.0f} s; then {c['writes_per_way']} "
+                  "protected writes each way, alternating.\n")
+        md.append("| sidecar | CPU ms per s | RSS MiB | peak RSS MiB |\n|---|---|---|---|")
+        rows = []
+        for role in ("leader", "follower"):
+            for r in idle[role]:
+                rows.append({"role": role, **{k: r3(r[k]) for k in ("cpu_ms_per_s", "rss_mib", "peak_rss_mib")}})
+                md.append(f"| {role} ({r['name']}) | {r['cpu_ms_per_s']:.3f} | {r['rss_mib']:.1f} | {r['peak_rss_mib']:.1f} |")
+        lat, add = px["latency_ms"], px["added_ms"]
+        md.append("\n| protected write (merge patch, through the webhook) | n | p50 ms | p90 ms | p99 ms | max ms |"
+                  "\n|---|---|---|---|---|---|")
+        for way, label in (("direct", "straight to the API server, token stamped by the app"),
+                           ("proxy", "through the sidecar's API proxy")):
+            v = lat[way]
+            if v.get("n"):
+                md.append(f"| {label} | {v['n']} | {v['p50']:.2f} | {v['p90']:.2f} | {v['p99']:.2f} | {v['max']:.2f} |")
+        if add:
+            md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f} | |")
+        summary["footprint"] = {"sidecars": rows, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
+                                                                        for w, v in lat.items()},
+                                "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
+        if rows:
+            worst_rss = max(r["rss_mib"] for r in rows)
+            worst_cpu = max(r["cpu_ms_per_s"] for r in rows)
+            verdict("sidecar: < 8 MiB RSS and < 1 ms CPU per second idle", worst_rss < 8 and worst_cpu < 1,
+                    f"largest of {len(rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
+
     summary["verdicts"] = verdicts
     md.append("\n### Verdicts\n\n| target | met | measured | note |\n|---|---|---|---|")
     for v in verdicts:

@@ -24,6 +24,8 @@
 #   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
 #                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
+#   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
+#                      added latency per write (direct vs through the proxy, same run)
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
@@ -69,7 +71,7 @@ for a in "$@"; do
   esac
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited apiload webhook-server
-  webhook-apiserver policy-apiserver policy-scale controller-scale)
+  webhook-apiserver policy-apiserver policy-scale controller-scale footprint)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -205,6 +207,7 @@ if [ "$MODE" = full ]; then
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
+  FOOT=(--sidecars 3 --lease 15 --warmup 20 --window 120 --writes 2000 --writes-warmup 50)
 else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
   FAIL=(--lease 3 --lanes 1 --trials 2)
@@ -217,6 +220,7 @@ else
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2)
+  FOOT=(--sidecars 2 --lease 3 --warmup 2 --window 3 --writes 30 --writes-warmup 5)
 fi
 
 FAILED=()
@@ -254,6 +258,7 @@ for n in "${NAMES[@]}"; do
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
+    footprint) bench "$n" python3 footprint.py "${FOOT[@]}" --out "$OUT" ;;
   esac
 done
 
