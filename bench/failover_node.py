@@ -318,6 +318,11 @@ class Lane(threading.Thread):
         rec = {"system": self.system, "scenario": SCENARIO, "lane": self.lease, "trial": n, "lease_s": L,
                "renew_or_retry_s": renew, "old_leader": old_pod, "killed_pid": pid, "t_signal_ns": t_kill,
                "leader_ns": t_new, "failover_s": (t_new - t_kill) / 1e9}
+        # Where the time went: a revocation (the holder cleared, as the controller does after a
+        # known death or an expiry) seen before the new holder.
+        cleared = [t for t, h, _ in self.watch.since(t_kill) if not h and t <= t_new]
+        if cleared:
+            rec["revoked_seen_s"] = (cleared[0] - t_kill) / 1e9
         if is_ours(self.system):
             rec.update(new_leader=h_new, same_pod=h_new == old_pod, old_token=old_token, token=tok_new,
                        token_step=tok_new - old_token)
@@ -361,6 +366,9 @@ def summarize(results: list[dict], systems) -> dict:
              "trials_failed": len([r for r in results if r["system"] == system and "error" in r]),
              "failover_s": stats([r["failover_s"] for r in rs]),
              "next_leader_in_the_killed_pod": len([r for r in rs if r.get("same_pod")])}
+        revoked = [r["revoked_seen_s"] for r in rs if "revoked_seen_s" in r]
+        if revoked:
+            s["revoked_seen_s"] = stats(revoked)
         steps = [r["token_step"] for r in rs if "token_step" in r]
         if steps:
             s["token_steps"] = {str(k): steps.count(k) for k in sorted(set(steps))}

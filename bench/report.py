@@ -100,7 +100,7 @@ def main() -> None:
         for system in systems:
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
-                           for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
+                           for k in ("failover_s", "lateness_s", "first_write_s", "revoked_seen_s") if k in v}
             row[system]["trials_failed"] = v.get("trials_failed")
             if system != PEER:
                 row[system]["writes_missing"] = v.get("writes_missing")
@@ -156,7 +156,8 @@ def main() -> None:
         md.append("| measure | system | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", f"{sig} -> next leader"),
                          ("lateness_s", "next leader - (last renewal + lease)"),
-                         ("first_write_s", f"{sig} -> first accepted fenced write")):
+                         ("first_write_s", f"{sig} -> first accepted fenced write"),
+                         ("revoked_seen_s", f"{sig} -> the lease revoked (holder cleared), as the watch saw it")):
             for sy in systems:
                 v = row[sy].get(k)
                 if v and v.get("n"):
