@@ -539,7 +539,7 @@ def machine_info() -> dict[str, Any]:
         "kube_apiserver_path": str(Path(bins, "kube-apiserver").resolve()),
         "etcd": sh(f"{bins}/etcd --version | head -1"),
         "fencedlease_commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
-        "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src Cargo.toml | wc -l"),
+        "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src elector Cargo.toml | wc -l"),
     }
 
 
