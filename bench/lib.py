@@ -471,12 +471,13 @@ def wait_webhook_effective(kube: Kube, ns: str) -> None:
     wait_until(refused, 30, "the webhook to be in effect", interval=0.3)
 
 
-def start_webhook(name: str, logdir: Path, certdir: Path, cpus: str | None = None) -> tuple[Proc, int, int, str]:
+def start_webhook(name: str, logdir: Path, certdir: Path, cpus: str | None = None,
+                  extra_args: list[str] | None = None) -> tuple[Proc, int, int, str]:
     bundle = webhook_certs(certdir)
     port, mport = free_port(), free_port()
     p = Proc(name, [str(FENCEDLEASE), "webhook", "--listen", f"127.0.0.1:{port}",
                     "--tls-cert", str(certdir / "tls.crt"), "--tls-key", str(certdir / "tls.key"),
-                    "--metrics-addr", f"127.0.0.1:{mport}"],
+                    "--metrics-addr", f"127.0.0.1:{mport}", *(extra_args or [])],
              logdir, env={"KUBECONFIG": str(kubeconfig()), "RUST_LOG": "warn"}, cpus=cpus)
 
     def ready() -> bool:
@@ -538,7 +539,7 @@ def machine_info() -> dict[str, Any]:
         "kube_apiserver_path": str(Path(bins, "kube-apiserver").resolve()),
         "etcd": sh(f"{bins}/etcd --version | head -1"),
         "fencedlease_commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
-        "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src Cargo.toml | wc -l"),
+        "fencedlease_dirty_files": sh(f"git -C {REPO} status --porcelain -- src elector Cargo.toml | wc -l"),
     }
 
 

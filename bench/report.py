@@ -87,7 +87,9 @@ def main() -> None:
     for sc, title in (("kill", "crash (SIGKILL of the holder)"),
                       ("stop", "pause (SIGSTOP of the holder past the lease)"),
                       ("term", "graceful handover (SIGTERM of the holder)"),
-                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)")):
+                      ("podgone", "a known death (SIGKILL of the holder, its pod force-deleted)"),
+                      ("exited", "a known death on a real node (the holder's campaigning container "
+                                 "SIGKILLed; the kubelet restarts it)")):
         d = load(run, f"failover-{sc}")
         if not d:
             continue
@@ -98,7 +100,7 @@ def main() -> None:
         for system in systems:
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
-                           for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
+                           for k in ("failover_s", "lateness_s", "first_write_s", "revoked_seen_s") if k in v}
             row[system]["trials_failed"] = v.get("trials_failed")
             if system != PEER:
                 row[system]["writes_missing"] = v.get("writes_missing")
@@ -114,12 +116,13 @@ def main() -> None:
                                       if t["system"] == sy and "failover_s" in t]
                   for sy in systems}
         vl = [(L, f"lease {L} s")] if sc != "term" else []
-        xlabel = ("seconds from the pod's deletion to the next leader's 'leading' event" if sc == "podgone"
-                  else "seconds from the signal to the next leader's 'leading' event")
+        xlabel = {"podgone": "seconds from the pod's deletion to the next leader's 'leading' event",
+                  "exited": "seconds from the kill to the next holder the API server records"}.get(
+                      sc, "seconds from the signal to the next leader's 'leading' event")
         svg = ecdf_svg(series, title=f"Failover after {title}, lease {L} s", xlabel=xlabel,
                        log_x=(sc == "term"), vlines=vl)
         (plots / f"failover-{sc}.svg").write_text(svg)
-        if sc != "term":
+        if sc not in ("term", "exited"):
             late = {LABEL.get(sy, sy): [t["lateness_s"] for t in d["trials"] if t["system"] == sy
                                         and t.get("lateness_s") is not None] for sy in systems}
             late = {k: v for k, v in late.items() if v}
@@ -144,11 +147,17 @@ def main() -> None:
                           + "; ".join(f"{k}: " + ", ".join(f"+{st} in {n}" for st, n in v.items())
                                       for k, v in steps.items()) + ".")
             md.append("")
-        sig = "deletion" if sc == "podgone" else "signal"
+        sig = {"podgone": "deletion", "exited": "kill"}.get(sc, "signal")
+        if sc == "exited":
+            same = {LABEL.get(sy, sy): s[sy].get("next_leader_in_the_killed_pod") for sy in systems}
+            md.append("Observed for both systems alike: a watch of the lease object on this machine; "
+                      "trials whose next holder was the killed pod itself (its restarted container): "
+                      + ", ".join(f"{k} {v}" for k, v in same.items()) + ".\n")
         md.append("| measure | system | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", f"{sig} -> next leader"),
                          ("lateness_s", "next leader - (last renewal + lease)"),
-                         ("first_write_s", f"{sig} -> first accepted fenced write")):
+                         ("first_write_s", f"{sig} -> first accepted fenced write"),
+                         ("revoked_seen_s", f"{sig} -> the lease revoked (holder cleared), as the watch saw it")):
             for sy in systems:
                 v = row[sy].get(k)
                 if v and v.get("n"):
@@ -421,6 +430,38 @@ def main() -> None:
         if big:
             verdict("controller: 10,000 leases in < 150 MiB resident", big[0]["peak_rss_mib"] < 150,
                     f"peak {big[0]['peak_rss_mib']:.1f} MiB, steady {big[0]['steady_rss_mib']:.1f} MiB")
+
+    # -- footprints (issue 21) -------------------------------------------------------------------
+    d = load(run, "footprint")
+    if d:
+        idle, px, c = d["idle"], d["proxy"], d["config"]
+        md.append(f"\n### Footprints: one sidecar, and its API proxy\n\n{c['sidecars']} sidecars on one "
+                  f"{c['lease_s']} s lease, idle for {idle['window_s']:.0f} s; then {c['writes_per_way']} "
+                  "protected writes each way, alternating.\n")
+        md.append("| sidecar | CPU ms per s | RSS MiB | peak RSS MiB |\n|---|---|---|---|")
+        rows = []
+        for role in ("leader", "follower"):
+            for r in idle[role]:
+                rows.append({"role": role, **{k: r3(r[k]) for k in ("cpu_ms_per_s", "rss_mib", "peak_rss_mib")}})
+                md.append(f"| {role} ({r['name']}) | {r['cpu_ms_per_s']:.3f} | {r['rss_mib']:.1f} | {r['peak_rss_mib']:.1f} |")
+        lat, add = px["latency_ms"], px["added_ms"]
+        md.append("\n| protected write (merge patch, through the webhook) | n | p50 ms | p90 ms | p99 ms | max ms |"
+                  "\n|---|---|---|---|---|---|")
+        for way, label in (("direct", "straight to the API server, token stamped by the app"),
+                           ("proxy", "through the sidecar's API proxy")):
+            v = lat[way]
+            if v.get("n"):
+                md.append(f"| {label} | {v['n']} | {v['p50']:.2f} | {v['p90']:.2f} | {v['p99']:.2f} | {v['max']:.2f} |")
+        if add:
+            md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f} | |")
+        summary["footprint"] = {"sidecars": rows, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
+                                                                        for w, v in lat.items()},
+                                "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
+        if rows:
+            worst_rss = max(r["rss_mib"] for r in rows)
+            worst_cpu = max(r["cpu_ms_per_s"] for r in rows)
+            verdict("sidecar: < 8 MiB RSS and < 1 ms CPU per second idle", worst_rss < 8 and worst_cpu < 1,
+                    f"largest of {len(rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
 
     summary["verdicts"] = verdicts
     md.append("\n### Verdicts\n\n| target | met | measured | note |\n|---|---|---|---|")

@@ -11,6 +11,11 @@
 #   failover-podgone   SIGKILL of the holder and force-deletion of its pod (a known death, issue 17),
 #                      with the controller running: time from the deletion to the next leader;
 #                      also fencedlease with revokeOnHolderDeath: false
+#   failover-exited    the holder's campaigning container SIGKILLed on a real node (issue 17): the
+#                      candidates run in pods (the injected sidecar; client-go's example in an
+#                      image), the kubelet restarts the container: time from the kill to the next
+#                      holder the API server records. Starts hack/node.sh for the bench cluster
+#                      (one kubelet per machine: another node must be down) and stops it after.
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
@@ -19,6 +24,8 @@
 #   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
 #                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
+#   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
+#                      added latency per write (direct vs through the proxy, same run)
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
@@ -63,8 +70,8 @@ for a in "$@"; do
     *) NAMES+=("$a") ;;
   esac
 done
-ALL=(decision failover-kill failover-stop failover-term failover-podgone apiload webhook-server webhook-apiserver
-  policy-apiserver policy-scale controller-scale)
+ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited apiload webhook-server
+  webhook-apiserver policy-apiserver policy-scale controller-scale footprint)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -156,6 +163,7 @@ cleanup() {
     done <"$FL_BENCH_WORK/pids"
     rm -f "$FL_BENCH_WORK/pids"
   fi
+  [ "${NODE_STARTED:-0}" = 1 ] && { env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" down || true; }
   "$REPO/hack/cluster.sh" down || true
   exit $rc
 }
@@ -164,6 +172,19 @@ trap 'exit 130' INT TERM
 # A fresh instance: no objects left from an earlier run (10,000 leases would skew the next one).
 "$REPO/hack/cluster.sh" down
 "$REPO/hack/cluster.sh" up
+# failover-exited runs its candidates in pods: a node (kubelet + containerd) for this cluster,
+# with the project's image and the peer's.
+PEER_IMAGE=""
+if [[ " ${NAMES[*]} " == *" failover-exited "* ]]; then
+  [ -z "$(pgrep -x kubelet || true)" ] ||
+    die "failover-exited needs this machine's one node, and a kubelet runs already (stop it: hack/node.sh down, with the settings of the cluster it belongs to), or leave failover-exited out"
+  NODE_STARTED=1
+  # The kubelet and scheduler of the tests' build of that release (KUBEBUILDER_ASSETS names the
+  # benchmarks' API server folder, which has neither).
+  env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" up
+  FL_IMAGE_BINARY="$FL_BENCH_CACHE/fencedlease" "$REPO/hack/image.sh"
+  PEER_IMAGE="$("$HERE/peer-image.sh" "$FL_BENCH_PEER" "$BENCH_K8S")"
+fi
 
 python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
   "$HERE" >"$OUT/machine.json"
@@ -179,23 +200,27 @@ if [ "$MODE" = full ]; then
   FAIL=(--lease 15 --lanes 8 --trials 12)
   TERM_=(--lease 15 --lanes 8 --trials 25)
   GONE=(--lease 15 --lanes 5 --trials 20)
+  EXITED=(--lease 15 --lanes 3 --trials 15)
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
+  FOOT=(--sidecars 3 --lease 15 --warmup 20 --window 120 --writes 2000 --writes-warmup 50)
 else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
   FAIL=(--lease 3 --lanes 1 --trials 2)
   TERM_=(--lease 3 --lanes 1 --trials 3)
   GONE=(--lease 3 --lanes 1 --trials 2)
+  EXITED=(--lease 3 --lanes 1 --trials 2 --no-opt-out)
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
   WHA=(--updates 50 --updates-warmup 10)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2)
+  FOOT=(--sidecars 2 --lease 3 --warmup 2 --window 3 --writes 30 --writes-warmup 5)
 fi
 
 FAILED=()
@@ -226,12 +251,14 @@ for n in "${NAMES[@]}"; do
     failover-stop) bench "$n" python3 failover.py stop "${FAIL[@]}" --out "$OUT" ;;
     failover-term) bench "$n" python3 failover.py term "${TERM_[@]}" --out "$OUT" ;;
     failover-podgone) bench "$n" python3 failover.py podgone "${GONE[@]}" --out "$OUT" ;;
+    failover-exited) bench "$n" python3 failover_node.py "${EXITED[@]}" --peer-image "$PEER_IMAGE" --out "$OUT" ;;
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
+    footprint) bench "$n" python3 footprint.py "${FOOT[@]}" --out "$OUT" ;;
   esac
 done
 

@@ -1,0 +1,215 @@
+"""Footprints (issue 21): what one sidecar costs, and what its API proxy adds to a write.
+
+1. Sidecar RSS and CPU. One FencedLease and `--sidecars` sidecars (`fencedlease sidecar`, the
+   command the injected container runs, here as processes on this machine with the bench
+   cluster's kubeconfig): once one leads and every sidecar has been up for `--warmup` s, each
+   process's CPU time (its threads' time on a CPU from /proc/PID/task/*/schedstat; utime + stime
+   from /proc/PID/stat, at a 10 ms resolution, beside it) is read at the start and the end of a
+   `--window` s idle window, and its resident memory (VmRSS, and the peak VmHWM) at the end.
+   Reported per role: the leader (renewing every lease/3) and the followers (watching). Nothing
+   asks the sidecars anything during the window.
+2. The API proxy's added latency. The leader sidecar runs with `--proxy-listen`; `--writes`
+   merge patches of a protected ConfigMap (through the API server and the fencing webhook, the
+   write an app makes) alternate between the two ways an app can send them: straight to the API
+   server with the token it read from the sidecar's `/v1/token` stamped on by the app, and through
+   the proxy, which stamps the token itself. Both on a keep-alive connection, one write at a time;
+   the difference of the percentiles is what the proxy adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import time
+from pathlib import Path
+
+import lib
+from lib import Kube, log, now_ns, stats, step
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included), in seconds; a tick (10 ms) resolution."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def cpu_ns(pid: int) -> int:
+    """Time on a CPU of the process's threads, from the scheduler (nanoseconds): finer than
+    cpu_seconds' ticks, which an idle sidecar barely moves in a minute."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return total
+
+
+def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None) -> tuple[lib.Proc, int]:
+    port = lib.free_port()
+    tokens = workdir / f"tokens-{i}"
+    tokens.mkdir(parents=True, exist_ok=True)
+    argv = [str(lib.FENCEDLEASE), "sidecar", "--lease", lease, "--namespace", ns, "--identity", f"sidecar-{i}",
+            "--listen", f"127.0.0.1:{port}", "--lease-duration", str(lease_s), "--token-dir", str(tokens)]
+    if proxy_port:
+        argv += ["--proxy-listen", f"127.0.0.1:{proxy_port}"]
+    p = lib.Proc(f"sidecar-{i}", argv, workdir / "logs",
+                 env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "warn"})
+    return p, port
+
+
+def status(port: int) -> dict:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", "/v1/status")
+        return json.loads(c.getresponse().read())
+    finally:
+        c.close()
+
+
+def leader_of(sidecars: list[tuple[lib.Proc, int, int | None]]):
+    for sc in sidecars:
+        try:
+            if status(sc[1]).get("leading"):
+                return sc
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def measure_idle(sidecars, window: float) -> dict:
+    """CPU over the window and RSS at its end, per role."""
+    lead = leader_of(sidecars)
+    if lead is None:
+        raise RuntimeError("no sidecar leads")
+    before = {p.pid: (cpu_seconds(p.pid), cpu_ns(p.pid)) for p, _, _ in sidecars}
+    t0 = time.monotonic()
+    time.sleep(window)
+    elapsed = time.monotonic() - t0
+    if leader_of(sidecars) is not lead:
+        raise RuntimeError("the leader changed during the idle window")
+    out: dict = {"window_s": elapsed, "leader": [], "follower": []}
+    for p, _, _ in sidecars:
+        if not p.alive():
+            raise RuntimeError(f"{p.name} exited; see {p.logfile}")
+        rss, hwm = p.rss_kib()
+        role = "leader" if p is lead[0] else "follower"
+        ticks_s, sched_ns = before[p.pid]
+        out[role].append({"name": p.name, "cpu_ms_per_s": (cpu_ns(p.pid) - sched_ns) / 1e6 / elapsed,
+                          "cpu_ms_per_s_ticks": (cpu_seconds(p.pid) - ticks_s) * 1000 / elapsed,
+                          "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024})
+    return out
+
+
+def token_of(port: int) -> tuple[int, str]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    c.request("GET", "/v1/token")
+    body = json.loads(c.getresponse().read())
+    return body["token"], body["leaseUID"]
+
+
+def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, writes: int, warmup: int) -> dict:
+    path = f"/api/v1/namespaces/{ns}/configmaps/{cm}"
+    # The API server may have closed the keep-alive connection during the idle window: a read
+    # (which reconnects) first, so that no timed write pays for a new connection.
+    kube.request("GET", path)
+    token, uid = token_of(api_port)
+    proxy = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=10)
+    lat: dict[str, list[float]] = {"direct": [], "proxy": []}
+    codes: dict[str, dict[int, int]] = {"direct": {}, "proxy": {}}
+    for i in range(warmup + writes):
+        for way in ("direct", "proxy"):
+            data = {"data": {"n": str(i), "way": way}}
+            if way == "direct":
+                data["metadata"] = {"annotations": {"fencedlease.io/token": str(token), "fencedlease.io/lease-uid": uid,
+                                                    "fencedlease.io/write-id": f"{now_ns()}-{i}"}}
+                code, ns_ = kube.timed("PATCH", path, data, "application/merge-patch+json")
+            else:
+                body = json.dumps(data).encode()
+                t0 = time.perf_counter_ns()
+                proxy.request("PATCH", path, body=body, headers={"Content-Type": "application/merge-patch+json"})
+                r = proxy.getresponse()
+                r.read()
+                code, ns_ = r.status, time.perf_counter_ns() - t0
+            if i >= warmup:
+                codes[way][code] = codes[way].get(code, 0) + 1
+                if code == 200:
+                    lat[way].append(ns_ / 1e6)
+    proxy.close()
+    s = {w: stats(v) for w, v in lat.items()}
+    added = {q: (s["proxy"][q] - s["direct"][q]) for q in ("p50", "p90", "p99") if s["proxy"].get("n") and s["direct"].get("n")}
+    return {"writes_per_way": writes, "latency_ms": s, "added_ms": added,
+            "codes": {w: {str(k): v for k, v in c.items()} for w, c in codes.items()}}
+
+
+def setup(kube: Kube, ns: str, lease: str, cm: str, lease_s: int, workdir: Path) -> lib.Proc:
+    """The FencedLease, its protected ConfigMap, and the fencing webhook for the namespace."""
+    kube.request("POST", lib.fl_path(ns), {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
+                                           "metadata": {"name": lease}, "spec": {"leaseDurationSeconds": lease_s}})
+    kube.request("POST", f"/api/v1/namespaces/{ns}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": cm, "labels": {"fencedlease.io/lease": lease}}, "data": {}})
+    wh, port, _, bundle = lib.start_webhook(f"webhook-{ns}", workdir / "logs", workdir / "certs")
+    lib.register_webhook(kube, f"fencedlease-bench-{ns}", port, bundle, ns)
+    lib.wait_webhook_effective(kube, ns)
+    return wh
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sidecars", type=int, default=3)
+    ap.add_argument("--lease", type=int, default=15)
+    ap.add_argument("--warmup", type=float, default=20, help="seconds every sidecar runs before the window")
+    ap.add_argument("--window", type=float, default=120, help="idle window, seconds")
+    ap.add_argument("--writes", type=int, default=2000, help="writes per way (direct, proxy)")
+    ap.add_argument("--writes-warmup", type=int, default=50)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    kube = Kube()
+    lib.install_crd()
+    ns = f"bench-footprint-{lib.rand_suffix()}"
+    kube.create_namespace(ns)
+    workdir = lib.WORK / ns
+    lease, cm = "footprint", "protected"
+    step(f"footprint: {args.sidecars} sidecars on one lease ({args.lease} s), {args.window:.0f} s idle window; "
+         f"then {args.writes} writes each way, direct and through the proxy; namespace {ns}")
+    wh = setup(kube, ns, lease, cm, args.lease, workdir)
+    sidecars = []
+    for i in range(args.sidecars):
+        pp = lib.free_port()
+        p, port = start_sidecar(i, ns, lease, args.lease, workdir, pp)
+        sidecars.append((p, port, pp))
+    lib.wait_until(lambda: leader_of(sidecars), 3 * args.lease + 30, "a leading sidecar", interval=0.2)
+    time.sleep(args.warmup)
+    idle = measure_idle(sidecars, args.window)
+    for role in ("leader", "follower"):
+        for r in idle[role]:
+            log(f"footprint: {role} {r['name']}: {r['cpu_ms_per_s']:.3f} ms CPU/s, RSS {r['rss_mib']:.1f} MiB "
+                f"(peak {r['peak_rss_mib']:.1f})")
+    lead = leader_of(sidecars)
+    step(f"footprint: {args.writes} + {args.writes_warmup} writes each way through {lead[0].name}")
+    proxy = measure_proxy(kube, ns, cm, lead[1], lead[2], args.writes, args.writes_warmup)
+    log(f"footprint: proxy adds p50 {proxy['added_ms'].get('p50', float('nan')):.2f} ms, "
+        f"p99 {proxy['added_ms'].get('p99', float('nan')):.2f} ms per write (codes {proxy['codes']})")
+    lib.stop_all([p for p, _, _ in sidecars] + [wh])
+    kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/fencedlease-bench-{ns}",
+                 ok=(200, 404))
+    out = {"benchmark": "footprint",
+           "config": {"sidecars": args.sidecars, "lease_s": args.lease, "warmup_s": args.warmup,
+                      "window_s": args.window, "writes_per_way": args.writes, "writes_warmup": args.writes_warmup},
+           "idle": idle, "proxy": proxy}
+    lib.write_result(args.out, "footprint", out)
+    bad = [w for w, c in proxy["codes"].items() if set(c) != {"200"}]
+    if bad:
+        raise SystemExit(f"footprint: writes other than 200 for {bad}: {proxy['codes']}")
+
+
+if __name__ == "__main__":
+    main()
