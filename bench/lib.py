@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark harness (Python 3.11 standard library only).
 
 - log() with a heartbeat thread that prints the current step every 30 s at least;
-- Kube: a tiny keep-alive HTTPS client for the bench cluster's API server (admin token);
+- Kube: hack/kubeclient.py's API client as the bench cluster's admin (ApiError comes from there);
 - Procs: processes started in their own session, all killed at exit (nothing left behind);
 - percentiles, JSON-lines event files, result writing.
 """
@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import ssl
 import subprocess
 import sys
 import threading
@@ -26,6 +25,10 @@ from typing import Any, Iterable
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+sys.path.insert(0, str(REPO / "hack"))
+import kubeclient  # noqa: E402  (hack/kubeclient.py: the API client bench/ and hack/history/ share)
+from kubeclient import ApiError  # noqa: E402  (also re-exported: benchmarks catch lib.ApiError)
+
 CLUSTER_DIR = Path(os.environ.get("FENCEDLEASE_CLUSTER_DIR", "/tmp/fencedlease-bench-cluster"))
 API_PORT = int(os.environ.get("FL_APISERVER_PORT", "28443"))
 CACHE = Path(os.environ.get("FL_BENCH_CACHE", Path.home() / ".cache/fencedlease/bench"))
@@ -113,67 +116,12 @@ def kubeconfig() -> Path:
     return CLUSTER_DIR / "kubeconfig"
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, body: Any):
-        super().__init__(f"HTTP {status}: {str(body)[:300]}")
-        self.status = status
-        self.body = body
-
-
-class Kube:
-    """A keep-alive HTTPS client per thread, authenticated as the bench cluster's admin."""
+class Kube(kubeclient.Kube):
+    """hack/kubeclient.py's client (a keep-alive connection per thread), authenticated as the
+    bench cluster's admin: Kube() for the bench API server, Kube(port) for another port."""
 
     def __init__(self, port: int = API_PORT):
-        self.port = port
-        self.ctx = ssl.create_default_context(cafile=str(ca_file()))
-        self.token = admin_token()
-        self.local = threading.local()
-
-    def _conn(self) -> http.client.HTTPSConnection:
-        c = getattr(self.local, "conn", None)
-        if c is None:
-            c = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.ctx, timeout=30)
-            self.local.conn = c
-        return c
-
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/json", ok=(200, 201)) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = content_type
-        for attempt in range(3):
-            c = self._conn()
-            try:
-                c.request(method, path, body=data, headers=headers)
-                resp = c.getresponse()
-                raw = resp.read()
-                break
-            except (http.client.HTTPException, OSError):
-                c.close()
-                self.local.conn = None
-                if attempt == 2:
-                    raise
-                time.sleep(0.2)
-        try:
-            parsed = json.loads(raw) if raw else None
-        except ValueError:
-            parsed = raw.decode(errors="replace")
-        if resp.status not in ok:
-            raise ApiError(resp.status, parsed)
-        return parsed
-
-    def timed(self, method: str, path: str, body: Any, content_type: str) -> tuple[int, int]:
-        """One request; returns (status, elapsed ns) measured around the round trip."""
-        data = json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json",
-                   "Content-Type": content_type}
-        c = self._conn()
-        t0 = time.perf_counter_ns()
-        c.request(method, path, body=data, headers=headers)
-        resp = c.getresponse()
-        resp.read()
-        return resp.status, time.perf_counter_ns() - t0
+        super().__init__(f"https://127.0.0.1:{port}", admin_token(), ca_file().read_text())
 
     def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
         body = {"apiVersion": "v1", "kind": "Namespace",
@@ -185,14 +133,6 @@ class Kube:
         except ApiError as e:
             if e.status != 409:
                 raise
-
-    def get_opt(self, path: str) -> Any:
-        try:
-            return self.request("GET", path)
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
 
 
 def fl_path(ns: str, name: str | None = None) -> str:

@@ -34,6 +34,7 @@ ETCD_PEER_PORT="${FL_ETCD_PEER_PORT:-12380}"
 API_PORT="${FL_APISERVER_PORT:-16443}"
 KCM_PORT="${FL_KCM_PORT:-16257}"
 KUBECONFIG_PATH="$DIR/kubeconfig"
+RETRY="hack/cluster.sh down && hack/cluster.sh up"   # what to try when a start fails
 COMPONENTS=(kube-controller-manager kube-apiserver etcd)
 
 healthy() {
@@ -72,28 +73,6 @@ down() {
   done
   [ $any = 1 ] && log "local Kubernetes stopped (logs kept in $DIR/logs)"
   return 0
-}
-
-wait_for() { # LABEL TIMEOUT_S LOGFILE CMD...
-  local label="$1" timeout="$2" logfile="$3"; shift 3
-  local start=$SECONDS next=5
-  until "$@" >/dev/null 2>&1; do
-    # A component that exits while starting (a port taken, a bad flag) fails the start at once.
-    if [ -f "$DIR/pids/$label" ] && ! kill -0 "$(cat "$DIR/pids/$label")" 2>/dev/null; then
-      tail -n 20 "$logfile" >&2 || true
-      die "$label exited during start-up; log: $logfile"
-    fi
-    if [ $((SECONDS - start)) -ge "$timeout" ]; then
-      tail -n 20 "$logfile" >&2 || true
-      die "$label did not become ready within $timeout s; log: $logfile (try: hack/cluster.sh down && hack/cluster.sh up)"
-    fi
-    if [ $((SECONDS - start)) -ge $next ]; then
-      log "waiting for $label ($((SECONDS - start)) s)"
-      next=$((next + 5))
-    fi
-    sleep 0.5
-  done
-  log "$label ready after $((SECONDS - start)) s"
 }
 
 port_free() { ! ss -ltnH "sport = :$1" 2>/dev/null | grep -q .; }
@@ -192,7 +171,7 @@ up() {
     --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
     --initial-cluster="fencedlease=http://127.0.0.1:$ETCD_PEER_PORT" --listen-metrics-urls="" \
     --unsafe-no-fsync=false --quota-backend-bytes=4294967296
-  wait_for etcd 60 "$DIR/logs/etcd.log" curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
+  wait_for etcd 60 "$DIR/logs/etcd.log" "$DIR/pids/etcd" "$RETRY" curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
 
   local audit=()
   if [ -n "${FL_AUDIT_POLICY:-}" ]; then
@@ -228,7 +207,7 @@ up() {
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$DIR/pki/sa.pub" --service-account-signing-key-file="$DIR/pki/sa.key" \
     --enable-aggregator-routing=true --allow-privileged=true "${audit[@]}"
-  wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" healthy_probe
+  wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" "$DIR/pids/kube-apiserver" "$RETRY" healthy_probe
   kubeconfig
 
   # Each controller acts as its own ServiceAccount in kube-system (as kubeadm sets it up), so
@@ -241,7 +220,7 @@ up() {
     --use-service-account-credentials=true \
     --service-account-private-key-file="$DIR/pki/sa.key" --root-ca-file="$DIR/pki/ca.crt" \
     --cert-dir="$DIR/pki/kcm"
-  wait_for kube-controller-manager 60 "$DIR/logs/kube-controller-manager.log" \
+  wait_for kube-controller-manager 60 "$DIR/logs/kube-controller-manager.log" "$DIR/pids/kube-controller-manager" "$RETRY" \
     curl -fsSk --max-time 2 "https://127.0.0.1:$KCM_PORT/healthz"
   log "local Kubernetes $("$bins/kube-apiserver" --version | cut -d' ' -f2) is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
 }

@@ -35,6 +35,38 @@ with_heartbeat() {
   log "$label: done in $((SECONDS - start)) s"
 }
 
+# alive PID: the process exists and is not a zombie waiting for its parent to reap it.
+alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
+
+# wait_for LABEL TIMEOUT_S LOGFILE PIDFILE HINT CMD...: wait until CMD succeeds (tried every
+# 0.5 s, its output discarded), with a progress line every 10 s. It fails, showing LOGFILE's tail
+# and saying what to do (HINT, e.g. "hack/cluster.sh down && hack/cluster.sh up"), when TIMEOUT_S
+# have passed, and at once when the process whose pid is in PIDFILE has exited (a port taken, a
+# bad flag: waiting longer would not help). PIDFILE may be "" when there is no process to watch.
+wait_for() {
+  local label="$1" timeout="$2" logfile="$3" pidfile="$4" hint="$5"; shift 5
+  local start=$SECONDS next=10 pid
+  until "$@" >/dev/null 2>&1; do
+    if [ -n "$pidfile" ] && [ -f "$pidfile" ]; then
+      pid=$(cat "$pidfile")
+      if ! alive "$pid"; then
+        tail -n 25 "$logfile" >&2 || true
+        die "$label: its process (pid $pid, $pidfile) exited during start-up after $((SECONDS - start)) s; log: $logfile (fix what it says above, then: $hint)"
+      fi
+    fi
+    if [ $((SECONDS - start)) -ge "$timeout" ]; then
+      tail -n 25 "$logfile" >&2 || true
+      die "$label did not become ready within $timeout s; log: $logfile (try: $hint)"
+    fi
+    if [ $((SECONDS - start)) -ge $next ]; then
+      log "waiting for $label ($((SECONDS - start)) s)"
+      next=$((next + 10))
+    fi
+    sleep 0.5
+  done
+  log "$label ready after $((SECONDS - start)) s"
+}
+
 # use_go_for_k8s_1_20: put Debian's Go 1.19 first on PATH (installing it if missing). The 1.20
 # tree builds in GOPATH mode and breaks under newer Go, which may come first on PATH (the
 # machine's /usr/local/go); GOTOOLCHAIN=local keeps Go from fetching another toolchain.

@@ -100,6 +100,7 @@ WRAPPER="$FL_REPO/hack/node/runc-wrapper.sh"
 # The kernel settings the kubelet rewrites when it starts (protectKernelDefaults=false).
 SYSCTLS=(vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes)
 COMPONENTS=(kube-scheduler kubelet containerd)
+RETRY="hack/node.sh down && hack/node.sh up"   # what to try when a start fails
 
 kc() { kubectl --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
 
@@ -109,8 +110,6 @@ control_plane_up() {
     "https://127.0.0.1:$API_PORT/readyz" >/dev/null 2>&1
 }
 
-# alive PID: the process exists and is not a zombie waiting for its parent to reap it.
-alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
 # live_kubelets: kubelet processes that still run (zombies do not count).
 live_kubelets() {
   local pid
@@ -152,23 +151,6 @@ start() { # NAME CMD... : in its own session, output to logs/NAME.log
   local name="$1"; shift
   setsid "$@" >>"$DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$NODE/pids/$name"
-}
-
-wait_for() { # LABEL TIMEOUT_S LOGFILE CMD...
-  local label="$1" timeout="$2" logfile="$3"; shift 3
-  local start=$SECONDS next=10
-  until "$@" >/dev/null 2>&1; do
-    if [ $((SECONDS - start)) -ge "$timeout" ]; then
-      tail -n 25 "$logfile" >&2 || true
-      die "$label not ready within $timeout s; log: $logfile (try: hack/node.sh down && hack/node.sh up)"
-    fi
-    if [ $((SECONDS - start)) -ge $next ]; then
-      log "waiting for $label ($((SECONDS - start)) s)"
-      next=$((next + 10))
-    fi
-    sleep 0.5
-  done
-  log "$label ready after $((SECONDS - start)) s"
 }
 
 port_free() { [ -z "$(ss -ltnH "sport = :$1" 2>/dev/null)" ]; }
@@ -536,7 +518,7 @@ YAML
 
   log "starting containerd (socket $SOCK)"
   start containerd env FL_RUNC_WRAPPER_LOG="$DIR/logs/runc-wrapper.log" containerd --config "$NODE/containerd/config.toml"
-  wait_for containerd 60 "$DIR/logs/containerd.log" node_containerd_running
+  wait_for containerd 60 "$DIR/logs/containerd.log" "$NODE/pids/containerd" "$RETRY" node_containerd_running
   node_has_image "$PAUSE_IMAGE" || import_archive "$PAUSE_TAR" "$PAUSE_IMAGE"
 
   log "starting kube-scheduler on 127.0.0.1:$SCHED_PORT"
@@ -564,9 +546,9 @@ YAML
     --root-dir="$NODE/kubelet" --cert-dir="$NODE/kubelet-pki" "${kubelet_version_flags[@]}" \
     --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
 
-  wait_for kube-scheduler 60 "$DIR/logs/kube-scheduler.log" curl -fsSk --max-time 2 "https://127.0.0.1:$SCHED_PORT/healthz"
-  wait_for kubelet 60 "$DIR/logs/kubelet.log" curl -fsS --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
-  wait_for "node $NODE_NAME" 180 "$DIR/logs/kubelet.log" node_ready
+  wait_for kube-scheduler 60 "$DIR/logs/kube-scheduler.log" "$NODE/pids/kube-scheduler" "$RETRY" curl -fsSk --max-time 2 "https://127.0.0.1:$SCHED_PORT/healthz"
+  wait_for kubelet 60 "$DIR/logs/kubelet.log" "$NODE/pids/kubelet" "$RETRY" curl -fsS --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
+  wait_for "node $NODE_NAME" 180 "$DIR/logs/kubelet.log" "$NODE/pids/kubelet" "$RETRY" node_ready
   kc annotate node "$NODE_NAME" --overwrite "fencedlease.io/containerd-socket=$SOCK" >/dev/null
   trap - EXIT
   log "node $NODE_NAME is Ready: pods run here (logs: $DIR/logs; pod logs: /var/log/pods)"

@@ -23,8 +23,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hack/kubeclient.py
 import check  # noqa: E402
-from kube import Kube  # noqa: E402
+from kubeclient import Kube  # noqa: E402
 from relay import Relay  # noqa: E402
 
 NS = "history"
@@ -132,7 +133,7 @@ class Partition:
 class Run:
     def __init__(self, a):
         self.a = a
-        self.kube = Kube(a.kubeconfig)
+        self.kube = Kube.from_kubeconfig(a.kubeconfig)
         self.out = a.out
         os.makedirs(self.out, exist_ok=True)
         self.procs = {}  # name -> (Popen, argv, env)
@@ -198,7 +199,7 @@ class Run:
     # setup -----------------------------------------------------------------------------
     def objects(self):
         k = self.kube
-        code, lease = k.request("POST", LEASES, {
+        code, lease = k.fetch("POST", LEASES, {
             "apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease", "metadata": {"name": LEASE},
             "spec": {"holderIdentity": "setup", "leaseDurationSeconds": LEASE_SECONDS}})
         assert code == 201, lease
@@ -207,11 +208,11 @@ class Run:
         names = [f"history-{i}" for i in range(self.shards)] + ["blind"]
         for name in names:
             data = {"last": "", "token": ""} if name == "blind" else {"counter": "0", "items": ""}
-            code, cm = k.request("POST", CMS, {"metadata": {"name": name, "labels": {"fencedlease.io/lease": LEASE},
+            code, cm = k.fetch("POST", CMS, {"metadata": {"name": name, "labels": {"fencedlease.io/lease": LEASE},
                                                              "annotations": ann}, "data": data})
             assert code == 201, cm
         lease["spec"]["holderIdentity"] = None
-        code, _ = k.request("PUT", f"{LEASES}/{LEASE}", lease)
+        code, _ = k.fetch("PUT", f"{LEASES}/{LEASE}", lease)
         assert code == 200
 
     def webhook(self):
@@ -225,7 +226,7 @@ class Run:
         if self.a.unfenced:
             say("UNFENCED: the webhook runs but is not registered; stale writes meet no check")
             return
-        code, out = self.kube.request("POST", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", {
+        code, out = self.kube.fetch("POST", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", {
             "metadata": {"name": "fencedlease-history"},
             "webhooks": [{"name": "fencing.fencedlease.io", "admissionReviewVersions": ["v1"],
                           "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
@@ -264,7 +265,7 @@ class Run:
                        capture_output=True, text=True)
         subprocess.run(["kubectl", "wait", "--for=condition=Established", "--timeout=60s",
                         "crd/fencedleases.fencedlease.io"], env=self.env, check=True, capture_output=True)
-        self.kube.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS, "labels": {"fencedlease.io/history": NS}}})
+        self.kube.fetch("POST", "/api/v1/namespaces", {"metadata": {"name": NS, "labels": {"fencedlease.io/history": NS}}})
         self.objects()
         self.network()
         self.env["KUBECONFIG"] = self.front_kc
@@ -312,7 +313,7 @@ class Run:
                 if self.rv is None:
                     # A list, not a GET: the list's resourceVersion is now, while the object's
                     # may lie before a restarted API server's watch window (410 again).
-                    code, items = self.kube.request("GET", f"{LEASES}?{SELECT}", timeout=3)
+                    code, items = self.kube.fetch("GET", f"{LEASES}?{SELECT}", timeout=3)
                     if code != 200:
                         raise OSError(f"list leases: {code}")
                     for lease in items["items"]:
@@ -456,7 +457,7 @@ class Run:
         """GET with retries: the nemesis may have just restarted the API server."""
         for _ in range(120):
             try:
-                code, obj = self.kube.request("GET", path)
+                code, obj = self.kube.fetch("GET", path)
                 if code == 200:
                     return obj
             except OSError:

@@ -36,8 +36,8 @@ import time
 import urllib.request
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kube import Kube  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hack/kubeclient.py
+from kubeclient import Kube  # noqa: E402
 
 NS = "history"
 CM = f"/api/v1/namespaces/{NS}/configmaps"
@@ -91,7 +91,7 @@ def verdict_of(code, out):
 class App:
     def __init__(self, a):
         self.a = a
-        self.kube = Kube(a.kubeconfig, server=a.server)
+        self.kube = Kube.from_kubeconfig(a.kubeconfig, server=a.server)
         self.log = open(a.log, "a", buffering=1)
         self.rng = random.Random()
         self.seq = 0
@@ -126,7 +126,7 @@ class App:
     def rmw(self, rec, tok, uid):
         obj = self.shard()
         rec["obj"] = obj
-        code, cm = self.kube.request("GET", f"{CM}/{obj}", timeout=3)
+        code, cm = self.kube.fetch("GET", f"{CM}/{obj}", timeout=3)
         if code != 200:
             return None, code, cm
         data = cm.get("data") or {}
@@ -164,7 +164,7 @@ class App:
             rec["t_send"] = now()
             self.record(dict(rec, verdict="sent"))
             method, path, body, ctype = req
-            code, out = self.kube.request(method, path, body, timeout=5, content_type=ctype)
+            code, out = self.kube.fetch(method, path, body, timeout=5, content_type=ctype)
             rec["t_ack"] = now()
             rec["code"] = code
             rec["verdict"], msg = verdict_of(code, out)
