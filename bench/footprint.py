@@ -5,7 +5,9 @@
    cluster's kubeconfig): once one leads and every sidecar has been up for `--warmup` s, each
    process's CPU time (its threads' time on a CPU from /proc/PID/task/*/schedstat; utime + stime
    from /proc/PID/stat, at a 10 ms resolution, beside it) is read at the start and the end of a
-   `--window` s idle window, and its resident memory (VmRSS, and the peak VmHWM) at the end.
+   `--window` s idle window, and its resident memory (VmRSS, and the peak VmHWM) at the end,
+   split into the process's own (RssAnon: heap, stacks) and the pages of files it maps (RssFile:
+   its binary's code and data, clean and shared with other processes of the same file).
    Reported per role: the leader (renewing every lease/3) and the followers (watching). Nothing
    asks the sidecars anything during the window.
 2. The API proxy's added latency. The leader sidecar runs with `--proxy-listen`; `--writes`
@@ -49,6 +51,18 @@ def cpu_ns(pid: int) -> int:
         except FileNotFoundError:
             pass  # a thread that ended meanwhile
     return total
+
+
+def rss_split_kib(pid: int) -> dict[str, int]:
+    """RssAnon (the process's own memory: heap, stacks) and RssFile (pages of files it maps,
+    its own binary first: clean, shared with every process of the same file, reclaimable)."""
+    out = {"RssAnon": 0, "RssFile": 0}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = int(line.split()[1])
+    return out
 
 
 def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None) -> tuple[lib.Proc, int]:
@@ -99,11 +113,13 @@ def measure_idle(sidecars, window: float) -> dict:
         if not p.alive():
             raise RuntimeError(f"{p.name} exited; see {p.logfile}")
         rss, hwm = p.rss_kib()
+        split = rss_split_kib(p.pid)
         role = "leader" if p is lead[0] else "follower"
         ticks_s, sched_ns = before[p.pid]
         out[role].append({"name": p.name, "cpu_ms_per_s": (cpu_ns(p.pid) - sched_ns) / 1e6 / elapsed,
                           "cpu_ms_per_s_ticks": (cpu_seconds(p.pid) - ticks_s) * 1000 / elapsed,
-                          "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024})
+                          "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024,
+                          "rss_anon_mib": split["RssAnon"] / 1024, "rss_file_mib": split["RssFile"] / 1024})
     return out
 
 
