@@ -367,13 +367,9 @@ def main() -> None:
     lib.stop_all([wh])
     controller = None
     if ctl is not None:
-        # What the controller did: one revoked_holder_dead per fencedlease trial that got as far
-        # as the deletion, and none for the opted-out leases.
-        alive = ctl.alive()
-        events = {}
-        if alive:
-            events = lib.metric_values(lib.http_get(ctl_port, "/metrics"), "fencedlease_lease_events_total")
-        controller = {"alive_at_end": alive, "lease_events": events, "log": str(ctl.logfile)}
+        # One revoked_holder_dead per fencedlease trial that got as far as the deletion, and
+        # none for the opted-out leases.
+        controller = controller_report(ctl, ctl_port)
         lib.stop_all([ctl])
     out = {
         "benchmark": f"failover-{args.scenario}",
@@ -390,19 +386,36 @@ def main() -> None:
         "summary": summarize(results, systems),
         "trials": sorted(results, key=lambda r: (r["system"], r["lane"], r["trial"])),
     }
-    lib.write_result(args.out, f"failover-{args.scenario}", out)
+    finish(args.out, args.scenario, out)
+
+
+def controller_report(ctl: lib.Proc, port: int) -> dict:
+    """What the controller did: its lease events by kind (revoked_holder_dead: early
+    revocations after a known death), and whether it was alive at the end."""
+    alive = ctl.alive()
+    events = {}
+    if alive:
+        events = lib.metric_values(lib.http_get(port, "/metrics"), "fencedlease_lease_events_total")
+    return {"alive_at_end": alive, "lease_events": events, "log": str(ctl.logfile)}
+
+
+def finish(out_dir: Path, scenario: str, out: dict) -> None:
+    """Writes the result, logs each system's figures, and fails the benchmark when a system had
+    no successful trial or the controller (if any) died."""
+    lib.write_result(out_dir, f"failover-{scenario}", out)
     for s, v in out["summary"].items():
         f = v["failover_s"]
         if f.get("n"):
-            log(f"failover/{args.scenario} {s}: n={f['n']} p50={f['p50']:.3f}s p99={f['p99']:.3f}s "
+            log(f"failover/{scenario} {s}: n={f['n']} p50={f['p50']:.3f}s p99={f['p99']:.3f}s "
                 f"max={f['max']:.3f}s failed={v['trials_failed']}")
         else:
-            log(f"failover/{args.scenario} {s}: no successful trial")
+            log(f"failover/{scenario} {s}: no successful trial")
     bad = [s for s, v in out["summary"].items() if not v["failover_s"].get("n")]
+    controller = out.get("controller")
     if controller is not None and not controller["alive_at_end"]:
-        raise SystemExit(f"failover/{args.scenario}: the controller exited during the run; see {ctl.logfile}")
+        raise SystemExit(f"failover/{scenario}: the controller exited during the run; see {controller['log']}")
     if bad:
-        raise SystemExit(f"failover/{args.scenario}: no successful trial for {bad}")
+        raise SystemExit(f"failover/{scenario}: no successful trial for {bad}")
 
 
 if __name__ == "__main__":

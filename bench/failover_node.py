@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 
 import lib
-from failover import PREFIX, start_controller
+from failover import PREFIX, controller_report, create_leases, finish, start_controller
 from lib import Kube, log, now_ns, stats, step
-from systems import OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, is_ours, peer_timings
+from systems import OURS_OPT_OUT, SYSTEMS, is_ours, peer_timings
 
 SCENARIO = "exited"
 PAUSE_IMAGE = "localhost/fencedlease/pause:3.4"  # hack/node.sh imports it
@@ -385,23 +385,6 @@ def start_injecting_webhook(kube: Kube, ns: str, workdir: Path) -> tuple[lib.Pro
     return wh, name
 
 
-def create_leases(kube: Kube, ns: str, lanes_cfg: list[tuple[str, int]], lease_s: int) -> None:
-    for s, i in lanes_cfg:
-        if is_ours(s):
-            kube.request("POST", lib.fl_path(ns), {
-                "apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
-                "metadata": {"name": f"{PREFIX[s]}-{i}"},
-                "spec": {"leaseDurationSeconds": lease_s, "revokeOnHolderDeath": s != OURS_OPT_OUT}})
-
-
-def controller_report(ctl: lib.Proc, port: int) -> dict:
-    alive = ctl.alive()
-    events = {}
-    if alive:
-        events = lib.metric_values(lib.http_get(port, "/metrics"), "fencedlease_lease_events_total")
-    return {"alive_at_end": alive, "lease_events": events, "log": str(ctl.logfile)}
-
-
 def run_lanes(lanes: list[Lane], results: list, lock: threading.Lock, total: int) -> None:
     for lane in lanes:
         lane.start()
@@ -471,17 +454,7 @@ def main() -> None:
         "summary": summarize(results, systems),
         "trials": sorted(results, key=lambda r: (r["system"], r["lane"], r["trial"])),
     }
-    lib.write_result(args.out, f"failover-{SCENARIO}", out)
-    for s, v in out["summary"].items():
-        f = v["failover_s"]
-        if f.get("n"):
-            log(f"failover/{SCENARIO} {s}: n={f['n']} p50={f['p50']:.3f}s p99={f['p99']:.3f}s "
-                f"max={f['max']:.3f}s failed={v['trials_failed']}")
-    bad = [s for s, v in out["summary"].items() if not v["failover_s"].get("n")]
-    if not controller["alive_at_end"]:
-        raise SystemExit(f"failover/{SCENARIO}: the controller exited during the run; see {ctl.logfile}")
-    if bad:
-        raise SystemExit(f"failover/{SCENARIO}: no successful trial for {bad}")
+    finish(args.out, SCENARIO, out)
 
 
 if __name__ == "__main__":
