@@ -97,13 +97,6 @@ fn wall_of(at: Instant) -> jiff::Timestamp {
     now_w.checked_add(delta).unwrap_or(now_w)
 }
 
-pub fn default_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into());
-    format!("{host}-{}", std::process::id())
-}
-
 // ---------------------------------------------------------------------------------------------
 // When to start and stop the command: pure decisions over an injected clock.
 
@@ -299,7 +292,10 @@ enum Ended {
 }
 
 pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
-    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(crate::identity::default_identity);
     let grace = grace_of(args.grace_seconds)?;
     // Orphaned descendants of the command are re-parented to this process, not to init, so
     // that they can be found and stopped with the rest of the tree.

@@ -13,10 +13,9 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use tracing::info;
 
+use crate::api::{FIELD_MANAGER, HOSTS_ANNOTATION, NOT_AFTER_ANNOTATION};
 use crate::webhook::tls;
 
-const NOT_AFTER_ANNOTATION: &str = "fencedlease.io/not-after";
-const HOSTS_ANNOTATION: &str = "fencedlease.io/hosts";
 /// Renew the serving certificate when it has fewer days left than this.
 const RENEW_DAYS_BEFORE: i64 = 30;
 
@@ -64,9 +63,31 @@ pub fn secret_is_current(secret: &Secret, hosts: &[String], today: jiff::civil::
     has_all && hosts_ok && fresh
 }
 
+/// Why keeping the webhook's certificate failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("issuing the certificate: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("building the Secret: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+impl Error {
+    /// A bounded label for metrics and logs.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Tls(_) => "tls",
+            Error::Encode(_) => "encode",
+        }
+    }
+}
+
 /// Makes sure the Secret is current (issuing or renewing with the same CA) and every webhook
 /// in the named configurations trusts its CA. Returns whether anything was written.
-pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, kube::Error> {
+pub async fn reconcile(client: &Client, cfg: &CertConfig) -> Result<bool, Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &cfg.namespace);
     let hosts = cfg.hosts();
     let today = jiff::Timestamp::now()
@@ -99,7 +120,7 @@ async fn issue(
     secrets: &Api<Secret>,
     hosts: &[String],
     existing: Option<Secret>,
-) -> Result<String, kube::Error> {
+) -> Result<String, Error> {
     // Keep the CA across renewals, so the caBundle does not change under the API server.
     let old_ca = existing
         .as_ref()
@@ -108,8 +129,7 @@ async fn issue(
     let g = tls::generate(
         hosts,
         old_ca.as_ref().map(|(c, k)| (c.as_str(), k.as_str())),
-    )
-    .map_err(|e| kube::Error::Service(Box::new(e)))?;
+    )?;
     let mut data = BTreeMap::new();
     for (k, v) in [
         ("tls.crt", &g.cert),
@@ -122,15 +142,14 @@ async fn issue(
     let mut secret: Secret = serde_json::from_value(serde_json::json!({
         "metadata": {
             "name": cfg.secret,
-            "labels": {"app.kubernetes.io/managed-by": "fencedlease-controller"},
+            "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER},
             "annotations": {
                 NOT_AFTER_ANNOTATION: tls::serving_not_after().to_string(),
                 HOSTS_ANNOTATION: hosts.join(","),
             },
         },
         "type": "kubernetes.io/tls",
-    }))
-    .map_err(kube::Error::SerdeError)?;
+    }))?;
     secret.data = Some(data);
     // Owned by the webhook Service, so that uninstalling the operator removes it.
     secret.metadata.owner_references =
@@ -226,7 +245,7 @@ fn visible<K>(r: Result<Option<K>, kube::Error>) -> Result<Option<K>, kube::Erro
 /// and the controller own different fields.
 fn patch_params() -> PatchParams {
     PatchParams {
-        field_manager: Some("fencedlease-controller".into()),
+        field_manager: Some(FIELD_MANAGER.into()),
         ..PatchParams::default()
     }
 }

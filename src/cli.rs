@@ -87,8 +87,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Sidecar(args) => crate::sidecar::run(args).await,
         Command::Kubectl(args) => Ok(crate::plugin::run(args).await?),
         Command::Probe { url } => {
-            let url = crate::sidecar::parse_http_url(&url).map_err(anyhow::Error::msg)?;
-            let ok = crate::sidecar::check_health(&url, std::time::Duration::from_secs(2)).await;
+            let url = crate::probe::parse_http_url(&url)?;
+            let ok = crate::probe::check_health(&url, std::time::Duration::from_secs(2)).await;
             Ok(if ok {
                 std::process::ExitCode::SUCCESS
             } else {

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, instrument, warn};
 
-use crate::api::{Condition, FencedLease, FIELD_MANAGER};
+use crate::api::{Condition, FencedLease, FIELD_MANAGER, ROLE_LABEL};
 use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
@@ -30,7 +30,7 @@ use crate::lease::rules::{
 };
 use crate::lease::Revocation;
 use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
-use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE, ROLE_LABEL};
+use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE};
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -1025,7 +1025,7 @@ async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
         let wait = match crate::certs::reconcile(&client, &cfg).await {
             Ok(_) => Duration::from_secs(60),
             Err(e) => {
-                warn!(error = %e, "keeping the webhook certificate failed; retrying");
+                warn!(error = %e, kind = e.metric_label(), "keeping the webhook certificate failed; retrying");
                 Duration::from_secs(2)
             }
         };
@@ -1084,7 +1084,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     let identity = args
         .identity
         .clone()
-        .unwrap_or_else(crate::campaign::default_identity);
+        .unwrap_or_else(crate::identity::default_identity);
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;

@@ -3,15 +3,7 @@
 
 use std::fmt;
 
-// The label and the annotations a write presents its token with: defined with the elector
-// (fencedlease-elector's `stamp` module), which stamps them for Rust programs.
-pub use fencedlease_elector::stamp::{
-    LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
-};
-
-/// Annotation on a Namespace choosing the mode for the protected objects in it: `enforce`
-/// (default) or `warn`. Annotations on the protected objects themselves choose nothing.
-pub const MODE_ANNOTATION: &str = "fencedlease.io/fencing";
+use crate::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 
 /// Why a token string is not a token.
 #[derive(Clone, Debug, PartialEq, Eq)]

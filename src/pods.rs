@@ -21,16 +21,12 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::runtime::watcher::Event;
 
+use crate::api::{CAMPAIGN_CONTAINER_ANNOTATION, LEASE_ANNOTATION, ROLE_LABEL};
 use crate::holder::{Campaigner, Finished, HolderPod, PodState};
-use crate::webhook::inject::{CONTAINER, LEASE_ANNOTATION};
+use crate::webhook::inject::CONTAINER;
 
-/// Label on the pod that holds a lease (for Services that select the leader).
-pub const ROLE_LABEL: &str = "fencedlease.io/role";
 /// The value of [`ROLE_LABEL`] on the holder's pod.
 pub const LEADER_ROLE: &str = "leader";
-/// Pod annotation naming the container that campaigns, for pods that run `fencedlease
-/// campaign` themselves (default: the injected sidecar's name).
-pub const CAMPAIGN_CONTAINER_ANNOTATION: &str = "fencedlease.io/campaign-container";
 /// How many deleted pods the index remembers as gone.
 pub const MAX_TOMBSTONES: usize = 4096;
 

@@ -17,12 +17,10 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use tracing::{info, warn};
 
-use crate::api::FencedLease;
-use crate::fencing::LEASE_LABEL;
+use crate::api::{FencedLease, LEASE_LABEL, POLICY_LABEL};
 
 /// Label on the bindings the controller keeps; its value is [`policy_hash`] of the policy the
 /// binding names, so that a controller lists only its own policy's bindings.
-pub const POLICY_LABEL: &str = "fencedlease.io/policy";
 /// The label the API server puts on every Namespace, its name (Kubernetes 1.21 and later).
 pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 /// The API the mode needs (GA in Kubernetes 1.30).

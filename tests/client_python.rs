@@ -20,9 +20,7 @@ use common::sidecars::sidecar;
 use common::webhook::Webhook;
 use common::{client, ensure_crd, eventually, kubeconfig_path, repo_root, TestNamespace};
 use fencedlease::api::FencedLease;
-use fencedlease::fencing::{
-    LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
-};
+use fencedlease::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 use kube::Api;
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};

@@ -114,8 +114,7 @@ async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
     // Warn mode of the namespace: the webhook would let a bad write through with a warning; the
     // policy refuses it all the same.
     let nss: Api<Namespace> = Api::all(p.client.clone());
-    let warn =
-        json!({"metadata": {"annotations": {fencedlease::fencing::MODE_ANNOTATION: "warn"}}});
+    let warn = json!({"metadata": {"annotations": {fencedlease::api::MODE_ANNOTATION: "warn"}}});
     nss.patch(ns, &PatchParams::default(), &Patch::Merge(&warn))
         .await
         .expect("annotate the namespace warn");

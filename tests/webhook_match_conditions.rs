@@ -9,10 +9,11 @@ mod common;
 
 use common::helm::{chart, helm_ok, Release};
 use common::{client, ensure_crd, kubectl, server_minor, TestNamespace};
-use fencedlease::fencing::{
-    DEFAULT_EXEMPT_USERS, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
+use fencedlease::api::{
+    INJECT_ANNOTATION, LEASE_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
+    WRITE_ID_ANNOTATION,
 };
-use fencedlease::webhook::inject::{INJECT_ANNOTATION, LEASE_ANNOTATION};
+use fencedlease::fencing::DEFAULT_EXEMPT_USERS;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::Api;

@@ -7,8 +7,70 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// Spells a key of ours: the API group, a slash and `$name`. Every `fencedlease.io/` label and
+/// annotation below is built with it, so the prefix is written once.
+macro_rules! key {
+    ($name:literal) => {
+        concat!("fencedlease.io/", $name)
+    };
+}
+
 /// API group of every fencedlease resource.
 pub const GROUP: &str = "fencedlease.io";
+/// The prefix of every label and annotation of ours (`fencedlease.io/`).
+pub const KEY_PREFIX: &str = key!("");
+
+// Labels and annotations: every `fencedlease.io/` key the product reads or writes is defined
+// here, once.
+
+/// Label on a protected object naming the FencedLease (same namespace) that guards it.
+pub const LEASE_LABEL: &str = key!("lease");
+/// Pod annotation naming the FencedLease (in the pod's namespace) the pod campaigns for: the
+/// same key as [`LEASE_LABEL`], used on pods as an annotation.
+pub const LEASE_ANNOTATION: &str = LEASE_LABEL;
+/// Annotation carrying the writer's fencing token (the lease's `metadata.generation`).
+pub const TOKEN_ANNOTATION: &str = key!("token");
+/// Annotation carrying the lease UID the token belongs to (tokens restart on a re-created lease).
+pub const LEASE_UID_ANNOTATION: &str = key!("lease-uid");
+/// Annotation carrying a value new on every write (a UUID, say): the proof that the write
+/// presented its token itself rather than inheriting the stored one.
+pub const WRITE_ID_ANNOTATION: &str = key!("write-id");
+/// Annotation on a Namespace choosing the fencing mode for the protected objects in it:
+/// `enforce` (default) or `warn`. Annotations on the protected objects themselves choose
+/// nothing.
+pub const MODE_ANNOTATION: &str = key!("fencing");
+/// Label the controller moves to the pod that holds a lease (for Services that select the
+/// leader).
+pub const ROLE_LABEL: &str = key!("role");
+/// Pod annotation naming the container that campaigns, for pods that run `fencedlease
+/// campaign` themselves (default: the injected sidecar's name).
+pub const CAMPAIGN_CONTAINER_ANNOTATION: &str = key!("campaign-container");
+/// `"false"`, as a pod label or annotation, opts the pod out of injection.
+pub const INJECT_ANNOTATION: &str = key!("inject");
+/// Pod annotation: the injected sidecar's lease duration in seconds.
+pub const DURATION_ANNOTATION: &str = key!("lease-duration");
+/// Pod annotation: the injected sidecar's loopback API port.
+pub const PORT_ANNOTATION: &str = key!("port");
+/// Pod annotation: `"true"` makes the pod ready only while it leads.
+pub const READY_ANNOTATION: &str = key!("ready-only-when-leader");
+/// Pod annotation: the app's health URL, which the sidecar checks before it campaigns.
+pub const HEALTH_ANNOTATION: &str = key!("app-health-url");
+/// Pod annotation: `"true"` also runs the Kubernetes API proxy, on the sidecar port plus one.
+pub const PROXY_ANNOTATION: &str = key!("proxy");
+/// Pod annotations overriding the sidecar's resources: (annotation, requests|limits,
+/// cpu|memory). The value is a Kubernetes quantity, or `none` to leave that entry out.
+pub const RESOURCE_ANNOTATIONS: [(&str, &str, &str); 4] = [
+    (key!("sidecar-cpu-request"), "requests", "cpu"),
+    (key!("sidecar-memory-request"), "requests", "memory"),
+    (key!("sidecar-cpu-limit"), "limits", "cpu"),
+    (key!("sidecar-memory-limit"), "limits", "memory"),
+];
+/// Label on the ValidatingAdmissionPolicy objects of the policy mode: a hash of what they say.
+pub const POLICY_LABEL: &str = key!("policy");
+/// Annotation on the webhook's certificate Secret: when its serving certificate expires.
+pub const NOT_AFTER_ANNOTATION: &str = key!("not-after");
+/// Annotation on the webhook's certificate Secret: the host names its certificate is for.
+pub const HOSTS_ANNOTATION: &str = key!("hosts");
 /// The field manager of the controller's writes (server-side apply, status patches), also its
 /// `app.kubernetes.io/managed-by` value on what it creates.
 pub const FIELD_MANAGER: &str = "fencedlease-controller";

@@ -13,15 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::lease::rules::FencingToken;
 
-/// Label on a protected object naming the FencedLease (same namespace) that guards it.
-pub const LEASE_LABEL: &str = "fencedlease.io/lease";
-/// Annotation carrying the writer's fencing token (the lease's `metadata.generation`).
-pub const TOKEN_ANNOTATION: &str = "fencedlease.io/token";
-/// Annotation carrying the lease UID the token belongs to (tokens restart on a re-created lease).
-pub const LEASE_UID_ANNOTATION: &str = "fencedlease.io/lease-uid";
-/// Annotation carrying a value new on every write (a UUID, say): the proof that the write
-/// presented its token itself rather than inheriting the stored one.
-pub const WRITE_ID_ANNOTATION: &str = "fencedlease.io/write-id";
+pub use crate::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 
 /// Stamps `meta` for a write under `token`: sets the [`LEASE_LABEL`] to `lease` and the token,
 /// lease UID and write id annotations, leaving every other label and annotation as it was.

@@ -433,7 +433,7 @@ async fn probe_fence(client: &Client, ns: &str) -> Result<(), kube::Error> {
     let cm: ConfigMap = serde_json::from_value(serde_json::json!({
         "metadata": {
             "name": PROBE_OBJECT,
-            "labels": {crate::fencing::LEASE_LABEL: PROBE_LEASE},
+            "labels": {crate::api::LEASE_LABEL: PROBE_LEASE},
         },
     }))
     .map_err(kube::Error::SerdeError)?;
@@ -460,7 +460,7 @@ pub fn fence_finding(probe: &Result<(), kube::Error>, ns: &str) -> Finding {
             pods,
         ),
         Ok(()) => Finding::fail(
-            format!("a dry-run write of a ConfigMap labelled {} without a token was allowed in namespace {ns}: that namespace is not fenced, or configmaps are not among fencing.resources", crate::fencing::LEASE_LABEL),
+            format!("a dry-run write of a ConfigMap labelled {} without a token was allowed in namespace {ns}: that namespace is not fenced, or configmaps are not among fencing.resources", crate::api::LEASE_LABEL),
             "run check with -n NAMESPACE of a namespace whose writes you fence (the chart's fencing.namespaceSelector and excludeNamespaces decide which)",
         ),
         Err(e) => Finding::fail(

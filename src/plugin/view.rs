@@ -5,8 +5,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde::Serialize;
 
-use crate::api::FencedLease;
-use crate::pods::{lease_of, LEADER_ROLE, ROLE_LABEL};
+use crate::api::{FencedLease, ROLE_LABEL};
+use crate::pods::{lease_of, LEADER_ROLE};
 
 /// One lease as `status` shows it (and prints with `-o json`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -295,7 +295,7 @@ mod tests {
         }
         serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": ns, "name": name, "labels": labels,
-                         "annotations": {crate::webhook::inject::LEASE_ANNOTATION: lease}},
+                         "annotations": {crate::api::LEASE_ANNOTATION: lease}},
             "status": {"conditions": [{"type": "Ready", "status": ready}]}
         }))
         .unwrap()

@@ -7,10 +7,11 @@ use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use kube::core::{DynamicObject, Status, TypeMeta};
 use serde::Deserialize;
 
-use crate::fencing::{
-    decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt, LEASE_LABEL,
-    LEASE_UID_ANNOTATION, MODE_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
+use crate::api::{
+    KEY_PREFIX, LEASE_LABEL, LEASE_UID_ANNOTATION, MODE_ANNOTATION, TOKEN_ANNOTATION,
+    WRITE_ID_ANNOTATION,
 };
+use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt};
 
 /// The largest request body read; an AdmissionReview for an update carries two objects of at
 /// most 1.5 MiB each (etcd's default request limit), plus envelope.
@@ -187,7 +188,7 @@ pub(crate) struct OurKeys(BTreeMap<String, String>);
 impl OurKeys {
     /// The value of `key`, one of ours (`fencedlease.io/...`: no other key is kept).
     pub(crate) fn get(&self, key: &str) -> Option<&str> {
-        debug_assert!(key.starts_with(OUR_PREFIX), "{key} is not kept");
+        debug_assert!(key.starts_with(KEY_PREFIX), "{key} is not kept");
         self.0.get(key).map(String::as_str)
     }
 }
@@ -206,7 +207,7 @@ impl<'de> Deserialize<'de> for OurKeys {
             ) -> Result<OurKeys, A::Error> {
                 let mut ours = BTreeMap::new();
                 while let Some(k) = m.next_key::<String>()? {
-                    if k.starts_with(OUR_PREFIX) {
+                    if k.starts_with(KEY_PREFIX) {
                         ours.insert(k, m.next_value::<String>()?);
                     } else {
                         m.next_value::<serde::de::IgnoredAny>()?;
@@ -218,9 +219,6 @@ impl<'de> Deserialize<'de> for OurKeys {
         d.deserialize_map(Visit)
     }
 }
-
-/// The prefix of every label and annotation the decisions (fencing and injection) read.
-pub(crate) const OUR_PREFIX: &str = "fencedlease.io/";
 
 fn annotation<'a>(o: &'a ObjectIn, key: &str) -> Option<&'a str> {
     o.metadata.annotations.as_ref().and_then(|a| a.get(key))

@@ -11,17 +11,88 @@ use serde_json::{json, Value};
 
 use super::admission::OurKeys;
 
-/// Pod annotation naming the FencedLease (in the pod's namespace) to campaign for.
-pub const LEASE_ANNOTATION: &str = "fencedlease.io/lease";
-/// `"false"`, as a label or an annotation, opts a pod out of injection. (The Helm chart's
-/// registration also skips pods with the label, so they do not even reach the webhook.)
-pub const INJECT_ANNOTATION: &str = "fencedlease.io/inject";
-pub const DURATION_ANNOTATION: &str = "fencedlease.io/lease-duration";
-pub const PORT_ANNOTATION: &str = "fencedlease.io/port";
-pub const READY_ANNOTATION: &str = "fencedlease.io/ready-only-when-leader";
-pub const HEALTH_ANNOTATION: &str = "fencedlease.io/app-health-url";
-/// `"true"` also runs the Kubernetes API proxy, on the sidecar port plus one.
-pub const PROXY_ANNOTATION: &str = "fencedlease.io/proxy";
+use crate::api::{
+    DEFAULT_LEASE_DURATION_SECONDS, DURATION_ANNOTATION, HEALTH_ANNOTATION, INJECT_ANNOTATION,
+    LEASE_ANNOTATION, MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS, PORT_ANNOTATION,
+    PROXY_ANNOTATION, READY_ANNOTATION, RESOURCE_ANNOTATIONS,
+};
+
+/// Why a pod is refused injection. Each message is for the pod's author: what is wrong and what
+/// to write instead.
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error("the pod has no spec")]
+    NoSpec,
+    #[error(
+        "fencedlease: refusing to inject the sidecar into a hostNetwork pod: its 127.0.0.1 is the \
+         node's, so any process on the node could read the fencing token from the sidecar's API \
+         and write with it through the sidecar's API proxy. Run the workload without \
+         hostNetwork, or opt the pod out with the label {INJECT_ANNOTATION}: \"false\" and run \
+         its command under `fencedlease campaign --lease LEASE -- CMD` (the token then goes to \
+         the command alone, in its environment)"
+    )]
+    HostNetwork,
+    #[error(
+        "fencedlease: the pod has {0} containers; the sidecar is injected into pods of at \
+         most {MAX_APP_CONTAINERS} (each container gets the token's environment and volume)"
+    )]
+    TooManyContainers(usize),
+    #[error("fencedlease: annotation {LEASE_ANNOTATION}={0:?} is not a valid FencedLease name (lowercase letters, digits, '-' and '.')")]
+    LeaseName(String),
+    #[error("fencedlease: annotation {DURATION_ANNOTATION}={0:?} must be a whole number of seconds from {MIN_LEASE_DURATION_SECONDS} to {MAX_LEASE_DURATION_SECONDS}")]
+    Duration(String),
+    #[error("fencedlease: annotation {PORT_ANNOTATION}={0:?} must be a port from {MIN_SIDECAR_PORT} to {MAX_SIDECAR_PORT} (the sidecar also uses the next two)")]
+    Port(String),
+    #[error("fencedlease: annotation {key}={value:?} must be \"true\" or \"false\"")]
+    Flag { key: &'static str, value: String },
+    #[error("fencedlease: annotation {HEALTH_ANNOTATION}: {0}")]
+    HealthUrl(#[from] crate::probe::BadUrl),
+    #[error("fencedlease: annotation {key}={value:?} must be a quantity such as \"250m\" or \"64Mi\", or \"none\"")]
+    Resource { key: &'static str, value: String },
+}
+
+/// Why `--sidecar-resources` is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ResourcesError {
+    #[error("not JSON ({0}); e.g. '{{\"requests\":{{\"cpu\":\"10m\"}}}}'")]
+    NotJson(serde_json::Error),
+    #[error("must be a JSON object")]
+    NotAnObject,
+    #[error("{0:?}: only \"requests\" and \"limits\" are allowed")]
+    Section(String),
+    #[error("{0} must be an object")]
+    SectionNotAnObject(String),
+    #[error("{section}.{name}: only cpu and memory are allowed")]
+    Name { section: String, name: String },
+    #[error("{section}.{name}: {value} is not a quantity such as \"250m\" or \"64Mi\"")]
+    Quantity {
+        section: String,
+        name: String,
+        value: Value,
+    },
+}
+
+/// Why the webhook cannot read a pod from an AdmissionReview.
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    #[error("it is not a JSON object")]
+    NotAnObject,
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("{field} is {got:?}, not {want:?}")]
+    NotAPod {
+        field: &'static str,
+        got: String,
+        want: &'static str,
+    },
+}
+
+/// The range of the sidecar's API port a pod may choose: the sidecar also takes the next two
+/// (the proxy and the probe ports).
+pub const MIN_SIDECAR_PORT: u16 = 1024;
+/// See [`MIN_SIDECAR_PORT`].
+pub const MAX_SIDECAR_PORT: u16 = 65533;
+
 /// The name of the sidecar's probe port (/healthz, /readyz, and /metrics without the token),
 /// which the chart's PodMonitor scrapes.
 pub const PROBE_PORT_NAME: &str = "fencedlease";
@@ -58,19 +129,6 @@ pub fn default_resources() -> Value {
     })
 }
 
-/// Per-pod overrides of the sidecar's resources: (annotation, requests|limits, cpu|memory).
-/// The value is a Kubernetes quantity, or `none` to leave that entry out.
-pub const RESOURCE_ANNOTATIONS: [(&str, &str, &str); 4] = [
-    ("fencedlease.io/sidecar-cpu-request", "requests", "cpu"),
-    (
-        "fencedlease.io/sidecar-memory-request",
-        "requests",
-        "memory",
-    ),
-    ("fencedlease.io/sidecar-cpu-limit", "limits", "cpu"),
-    ("fencedlease.io/sidecar-memory-limit", "limits", "memory"),
-];
-
 /// Is `s` a Kubernetes quantity as the sidecar's resources take one: a plain decimal number
 /// with at most one suffix (m, k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei), e.g. `250m`, `64Mi`,
 /// `0.5`? (Exponent forms are refused: nobody writes them here.)
@@ -91,30 +149,31 @@ pub fn is_quantity(s: &str) -> bool {
 
 /// Checks `--sidecar-resources`: a JSON object with only `requests` and `limits`, each mapping
 /// `cpu` and/or `memory` to a quantity.
-pub fn parse_resources(raw: &str) -> Result<Value, String> {
-    let v: Value = serde_json::from_str(raw)
-        .map_err(|e| format!("not JSON ({e}); e.g. '{{\"requests\":{{\"cpu\":\"10m\"}}}}'"))?;
-    let obj = v.as_object().ok_or("must be a JSON object")?;
+pub fn parse_resources(raw: &str) -> Result<Value, ResourcesError> {
+    use ResourcesError as E;
+    let v: Value = serde_json::from_str(raw).map_err(E::NotJson)?;
+    let obj = v.as_object().ok_or(E::NotAnObject)?;
     for (section, entries) in obj {
         if section != "requests" && section != "limits" {
-            return Err(format!(
-                "{section:?}: only \"requests\" and \"limits\" are allowed"
-            ));
+            return Err(E::Section(section.clone()));
         }
         let entries = entries
             .as_object()
-            .ok_or_else(|| format!("{section} must be an object"))?;
+            .ok_or_else(|| E::SectionNotAnObject(section.clone()))?;
         for (name, q) in entries {
+            let at = || (section.clone(), name.clone());
             if name != "cpu" && name != "memory" {
-                return Err(format!("{section}.{name}: only cpu and memory are allowed"));
+                let (section, name) = at();
+                return Err(E::Name { section, name });
             }
-            match q.as_str() {
-                Some(q) if is_quantity(q) => {}
-                _ => {
-                    return Err(format!(
-                        "{section}.{name}: {q} is not a quantity such as \"250m\" or \"64Mi\""
-                    ))
-                }
+            if !q.as_str().is_some_and(is_quantity) {
+                let (section, name) = at();
+                let value = q.clone();
+                return Err(E::Quantity {
+                    section,
+                    name,
+                    value,
+                });
             }
         }
     }
@@ -123,7 +182,7 @@ pub fn parse_resources(raw: &str) -> Result<Value, String> {
 
 /// The sidecar's resources for this pod: `default`, with each resource annotation the pod has
 /// replacing (or, with `none`, removing) its entry.
-fn sidecar_resources(pod: &PodIn, default: &Value) -> Result<Value, String> {
+fn sidecar_resources(pod: &PodIn, default: &Value) -> Result<Value, InjectError> {
     let mut out = default.clone();
     for (key, section, name) in RESOURCE_ANNOTATIONS {
         let Some(v) = annotation(pod, key) else {
@@ -136,9 +195,8 @@ fn sidecar_resources(pod: &PodIn, default: &Value) -> Result<Value, String> {
         } else if is_quantity(v) {
             out[section][name] = json!(v);
         } else {
-            return Err(format!(
-                "fencedlease: annotation {key}={v:?} must be a quantity such as \"250m\" or \"64Mi\", or \"none\""
-            ));
+            let value = v.to_string();
+            return Err(InjectError::Resource { key, value });
         }
     }
     Ok(out)
@@ -303,17 +361,18 @@ impl<'de> Deserialize<'de> for Listed {
 impl PodIn {
     /// Reads a pod from its JSON: an object, whose `apiVersion` and `kind`, when given, are a
     /// Pod's.
-    pub fn from_json(json: &str) -> Result<PodIn, String> {
+    pub fn from_json(json: &str) -> Result<PodIn, PodError> {
         if !json.trim_start().starts_with('{') {
-            return Err("it is not a JSON object".into());
+            return Err(PodError::NotAnObject);
         }
-        let pod: PodIn = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        let pod: PodIn = serde_json::from_str(json)?;
         for (field, got, want) in [
             ("apiVersion", &pod.api_version, "v1"),
             ("kind", &pod.kind, "Pod"),
         ] {
             if let Some(got) = got.as_deref().filter(|g| *g != want) {
-                return Err(format!("{field} is {got:?}, not {want:?}"));
+                let got = got.to_string();
+                return Err(PodError::NotAPod { field, got, want });
             }
         }
         Ok(pod)
@@ -337,18 +396,11 @@ fn opted_out(pod: &PodIn) -> bool {
 /// Refuses a pod on the node's network (`hostNetwork: true`). Its loopback is the node's: every
 /// process on the node could read the token from the sidecar's API on 127.0.0.1 and write with
 /// the pod's token through the sidecar's API proxy.
-pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), String> {
-    if host_network != Some(true) {
-        return Ok(());
+pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), InjectError> {
+    match host_network {
+        Some(true) => Err(InjectError::HostNetwork),
+        _ => Ok(()),
     }
-    Err(format!(
-        "fencedlease: refusing to inject the sidecar into a hostNetwork pod: its 127.0.0.1 is the \
-         node's, so any process on the node could read the fencing token from the sidecar's API \
-         and write with it through the sidecar's API proxy. Run the workload without \
-         hostNetwork, or opt the pod out with the label {INJECT_ANNOTATION}: \"false\" and run \
-         its command under `fencedlease campaign --lease LEASE -- CMD` (the token then goes to \
-         the command alone, in its environment)"
-    ))
 }
 
 /// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
@@ -373,61 +425,45 @@ struct Options<'a> {
 }
 
 /// A `"true"`/`"false"` annotation, false when absent.
-fn flag(pod: &PodIn, key: &str) -> Result<bool, String> {
+fn flag(pod: &PodIn, key: &'static str) -> Result<bool, InjectError> {
     match annotation(pod, key) {
         None | Some("false") => Ok(false),
         Some("true") => Ok(true),
-        Some(v) => Err(format!(
-            "fencedlease: annotation {key}={v:?} must be \"true\" or \"false\""
-        )),
+        Some(v) => Err(InjectError::Flag {
+            key,
+            value: v.to_string(),
+        }),
     }
 }
 
 /// Reads and checks the annotations; errors are messages for the pod's author.
-fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, String> {
+fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, InjectError> {
     if !valid_name(lease) {
-        return Err(format!(
-            "fencedlease: annotation {LEASE_ANNOTATION}={lease:?} is not a valid FencedLease name (lowercase letters, digits, '-' and '.')"
-        ));
+        return Err(InjectError::LeaseName(lease.to_string()));
     }
-    use crate::api::{
-        DEFAULT_LEASE_DURATION_SECONDS as DEFAULT, MAX_LEASE_DURATION_SECONDS as MAX,
-        MIN_LEASE_DURATION_SECONDS as MIN,
-    };
     let duration = match annotation(pod, DURATION_ANNOTATION) {
-        None => DEFAULT,
+        None => DEFAULT_LEASE_DURATION_SECONDS,
         Some(v) => v
             .parse::<i32>()
             .ok()
-            .filter(|d| (MIN..=MAX).contains(d))
-            .ok_or_else(|| format!("fencedlease: annotation {DURATION_ANNOTATION}={v:?} must be a whole number of seconds from {MIN} to {MAX}"))?,
+            .filter(|d| (MIN_LEASE_DURATION_SECONDS..=MAX_LEASE_DURATION_SECONDS).contains(d))
+            .ok_or_else(|| InjectError::Duration(v.to_string()))?,
     };
     let port = match annotation(pod, PORT_ANNOTATION) {
         None => DEFAULT_PORT,
         Some(v) => v
             .parse::<u16>()
             .ok()
-            .filter(|p| (1024..=65533).contains(p))
-            .ok_or_else(|| format!("fencedlease: annotation {PORT_ANNOTATION}={v:?} must be a port from 1024 to 65533 (the sidecar also uses the next two)"))?,
+            .filter(|p| (MIN_SIDECAR_PORT..=MAX_SIDECAR_PORT).contains(p))
+            .ok_or_else(|| InjectError::Port(v.to_string()))?,
     };
     let ready_only_when_leader = flag(pod, READY_ANNOTATION)?;
-    let proxy_port = match flag(pod, PROXY_ANNOTATION)? {
-        false => None,
-        true => Some(port.checked_add(1).ok_or_else(|| {
-            format!(
-                "fencedlease: annotation {PORT_ANNOTATION}: no room for the proxy port above {port}"
-            )
-        })?),
-    };
-    let probe_port = port.checked_add(2).ok_or_else(|| {
-        format!(
-            "fencedlease: annotation {PORT_ANNOTATION}: no room for the probe port two above {port}"
-        )
-    })?;
+    // The port is at most MAX_SIDECAR_PORT, so both ports above it exist.
+    let proxy_port = flag(pod, PROXY_ANNOTATION)?.then_some(port + 1);
+    let probe_port = port + 2;
     let health = annotation(pod, HEALTH_ANNOTATION);
     if let Some(url) = health {
-        crate::sidecar::parse_http_url(url)
-            .map_err(|e| format!("fencedlease: annotation {HEALTH_ANNOTATION}: {e}"))?;
+        crate::probe::parse_http_url(url)?;
     }
     Ok(Options {
         lease,
@@ -441,14 +477,14 @@ fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, String> {
 }
 
 /// Decides the injection. Errors are messages for the pod's author.
-pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
+pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, InjectError> {
     let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
         return Ok(Injection::Skip("no lease annotation"));
     };
     if opted_out(pod) {
         return Ok(Injection::Skip("opted out"));
     }
-    let spec = pod.spec.as_ref().ok_or("the pod has no spec")?;
+    let spec = pod.spec.as_ref().ok_or(InjectError::NoSpec)?;
     refuse_host_network(spec.host_network)?;
     let containers = spec.containers.as_deref().unwrap_or_default();
     let already = containers.iter().any(|c| c.is_sidecar())
@@ -460,11 +496,7 @@ pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
         return Ok(Injection::Skip("already injected"));
     }
     if containers.len() > MAX_APP_CONTAINERS {
-        return Err(format!(
-            "fencedlease: the pod has {} containers; the sidecar is injected into pods of at \
-             most {MAX_APP_CONTAINERS} (each container gets the token's environment and volume)",
-            containers.len()
-        ));
+        return Err(InjectError::TooManyContainers(containers.len()));
     }
     let o = options(pod, lease)?;
     let url = format!("http://127.0.0.1:{}", o.port);
@@ -716,6 +748,11 @@ pub fn review(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`inject`], with the refusal as its message (what the pod's author reads).
+    fn judged(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, String> {
+        inject(pod, cfg).map_err(|e| e.to_string())
+    }
     use k8s_openapi::api::core::v1::Pod;
     use proptest::prelude::*;
 
@@ -746,7 +783,7 @@ mod tests {
     /// pod with the patch applied.
     fn apply(raw: &Value, native: bool) -> (Additions, Patch, Value) {
         let read = read(raw);
-        let additions = match inject(&read, &cfg(native)) {
+        let additions = match judged(&read, &cfg(native)) {
             Ok(Injection::Inject(a)) => *a,
             other => panic!("expected an injection, got {other:?}"),
         };
@@ -826,20 +863,20 @@ mod tests {
     fn idempotent_opt_out_and_untouched_without_annotation() {
         let once = read(&injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), false));
         assert_eq!(
-            inject(&once, &cfg(false)),
+            judged(&once, &cfg(false)),
             Ok(Injection::Skip("already injected"))
         );
         let native = read(&injected(&pod_json(json!({LEASE_ANNOTATION: "db"})), true));
         assert_eq!(
-            inject(&native, &cfg(true)),
+            judged(&native, &cfg(true)),
             Ok(Injection::Skip("already injected"))
         );
         assert_eq!(
-            inject(&pod(json!({})), &cfg(false)),
+            judged(&pod(json!({})), &cfg(false)),
             Ok(Injection::Skip("no lease annotation"))
         );
         assert_eq!(
-            inject(
+            judged(
                 &pod(json!({LEASE_ANNOTATION: "db", INJECT_ANNOTATION: "false"})),
                 &cfg(false)
             ),
@@ -850,7 +887,7 @@ mod tests {
     #[test]
     fn host_network_pods_are_refused() {
         for (host_network, refused) in [(None, false), (Some(false), false), (Some(true), true)] {
-            let got = refuse_host_network(host_network);
+            let got = refuse_host_network(host_network).map_err(|e| e.to_string());
             assert_eq!(
                 got.is_err(),
                 refused,
@@ -900,7 +937,7 @@ mod tests {
             (json!({INJECT_ANNOTATION: "true"}), lease.clone(), Err(())),
         ] {
             for native in [false, true] {
-                let got = inject(&host(labels.clone(), annotations.clone()), &cfg(native));
+                let got = judged(&host(labels.clone(), annotations.clone()), &cfg(native));
                 match (&got, &want) {
                     (Err(msg), Err(())) => assert!(msg.contains("hostNetwork"), "{msg}"),
                     _ => assert_eq!(
@@ -950,7 +987,7 @@ mod tests {
             let mut a = serde_json::Map::new();
             a.insert(LEASE_ANNOTATION.into(), json!("db"));
             a.insert(k.into(), json!(v));
-            let err = inject(&pod(Value::Object(a)), &cfg(false)).expect_err("must refuse");
+            let err = judged(&pod(Value::Object(a)), &cfg(false)).expect_err("must refuse");
             assert!(err.contains(k), "{err}");
         }
     }
@@ -1006,10 +1043,7 @@ mod tests {
             HEALTH_ANNOTATION,
             PROXY_ANNOTATION,
         ] {
-            assert!(
-                key.starts_with(super::super::admission::OUR_PREFIX),
-                "{key}"
-            );
+            assert!(key.starts_with(crate::api::KEY_PREFIX), "{key}");
         }
         // What it reads must have the type Kubernetes gives it; the pod must be a Pod.
         for (bad, want) in [
@@ -1029,7 +1063,9 @@ mod tests {
             (json!([]), "object"),
             (json!(null), "object"),
         ] {
-            let err = PodIn::from_json(&bad.to_string()).expect_err("must not read");
+            let err = PodIn::from_json(&bad.to_string())
+                .expect_err("must not read")
+                .to_string();
             assert!(err.contains(want), "{bad}: {err}");
         }
     }
@@ -1042,9 +1078,9 @@ mod tests {
             raw["spec"]["containers"] = Value::from(cs);
             read(&raw)
         };
-        let at_most = inject(&with(MAX_APP_CONTAINERS), &cfg(false));
+        let at_most = judged(&with(MAX_APP_CONTAINERS), &cfg(false));
         assert!(matches!(at_most, Ok(Injection::Inject(_))), "{at_most:?}");
-        let err = inject(&with(MAX_APP_CONTAINERS + 1), &cfg(true)).expect_err("too many");
+        let err = judged(&with(MAX_APP_CONTAINERS + 1), &cfg(true)).expect_err("too many");
         assert!(
             err.contains(&format!("{} containers", MAX_APP_CONTAINERS + 1)),
             "{err}"
@@ -1053,7 +1089,7 @@ mod tests {
         let mut skipped = with(MAX_APP_CONTAINERS + 1);
         skipped.metadata.annotations = None;
         assert_eq!(
-            inject(&skipped, &cfg(false)),
+            judged(&skipped, &cfg(false)),
             Ok(Injection::Skip("no lease annotation"))
         );
     }
@@ -1407,7 +1443,7 @@ mod tests {
             (r#"{"limits":{"cpu":"lots"}}"#, "not a quantity"),
             (r#"{"limits":{"cpu":1}}"#, "not a quantity"),
         ] {
-            let err = parse_resources(raw).unwrap_err();
+            let err = parse_resources(raw).unwrap_err().to_string();
             assert!(err.contains(says), "{raw}: {err}");
         }
     }
@@ -1419,7 +1455,7 @@ mod tests {
             "fencedlease.io/sidecar-cpu-limit": "none",
             "fencedlease.io/sidecar-memory-limit": "128Mi",
         }));
-        let Ok(Injection::Inject(a)) = inject(&p, &cfg(true)) else {
+        let Ok(Injection::Inject(a)) = judged(&p, &cfg(true)) else {
             panic!("expected an injection")
         };
         assert_eq!(
@@ -1428,7 +1464,7 @@ mod tests {
         );
         let bad =
             pod(json!({LEASE_ANNOTATION: "db", "fencedlease.io/sidecar-cpu-request": "a lot"}));
-        let err = inject(&bad, &cfg(true)).unwrap_err();
+        let err = judged(&bad, &cfg(true)).unwrap_err();
         assert!(
             err.contains("fencedlease.io/sidecar-cpu-request") && err.contains("quantity"),
             "{err}"
@@ -1441,7 +1477,7 @@ mod tests {
         let mut c = cfg(false);
         c.run_as_user = None;
         c.log_format = crate::logging::LogFormat::Json;
-        let Ok(Injection::Inject(a)) = inject(&p, &c) else {
+        let Ok(Injection::Inject(a)) = judged(&p, &c) else {
             panic!("expected an injection")
         };
         let sc = &a.sidecar["securityContext"];
@@ -1452,7 +1488,7 @@ mod tests {
             env.contains(&json!({"name": "FENCEDLEASE_LOG_FORMAT", "value": "json"})),
             "{env:?}"
         );
-        let Ok(Injection::Inject(d)) = inject(&p, &cfg(false)) else {
+        let Ok(Injection::Inject(d)) = judged(&p, &cfg(false)) else {
             panic!("expected an injection")
         };
         assert_eq!(d.sidecar["securityContext"]["runAsUser"], json!(65532));

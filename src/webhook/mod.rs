@@ -43,10 +43,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::api::FencedLease;
-use crate::fencing::{
-    decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS, MODE_ANNOTATION,
-};
+use crate::api::{FencedLease, MODE_ANNOTATION};
+use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
 use crate::metrics::HealthState;
 use admission::{Judgement, Parsed, ScaleCheck};
 use tls::{CertFiles, ReloadingCert};
@@ -394,7 +392,7 @@ impl Shared {
             Ok(obj) => match obj
                 .as_ref()
                 .and_then(|o| o.metadata.labels.as_ref())
-                .and_then(|l| l.get(crate::fencing::LEASE_LABEL).filter(|v| !v.is_empty()))
+                .and_then(|l| l.get(crate::api::LEASE_LABEL).filter(|v| !v.is_empty()))
             {
                 Some(lease) => (c.refuse(lease), "denied_scale"),
                 None => (c.response.clone(), "passed"),
