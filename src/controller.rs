@@ -1360,6 +1360,29 @@ impl Term<'_> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_term_ends_when_leadership_does_by_news_or_by_deadline() {
+        let now = Instant::now();
+        let leading = |until| LeaderState::Leading {
+            token: FencingToken {
+                lease_uid: "u".into(),
+                generation: 3,
+            },
+            valid_until: until,
+        };
+        assert_eq!(
+            term_end_of(&leading(now + Duration::from_secs(1)), now),
+            None
+        );
+        assert_eq!(term_end_of(&leading(now), now), Some(TermEnd::Lost));
+        let following = LeaderState::Following {
+            holder: Some("b".into()),
+            token: Some(4),
+        };
+        assert_eq!(term_end_of(&following, now), Some(TermEnd::Lost));
+        assert_eq!(term_end_of(&LeaderState::Unknown, now), Some(TermEnd::Lost));
+    }
+
     /// Steps that record the order they run in and answer what they were told to.
     struct Recorded {
         ran: Vec<&'static str>,
