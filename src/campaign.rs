@@ -15,6 +15,7 @@ use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::lease::elector::{Elector, ElectorConfig, LeaderState};
@@ -313,11 +314,9 @@ pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
         ),
         None => None,
     };
-    let client = kube::Client::try_default()
-        .await
-        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let rt = crate::runtime::Runtime::start().await?;
     let (elector, handle) = Elector::new(
-        client,
+        rt.client().clone(),
         ElectorConfig {
             namespace: args.namespace.clone(),
             lease: args.lease.clone(),
@@ -327,8 +326,7 @@ pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
             timing_override: None,
         },
     )?;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx)));
+    let elector = rt.spawn_elector(elector);
     let log = EventLog {
         file,
         identity: identity.clone(),
@@ -344,13 +342,11 @@ pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
             since: Instant::now(),
         },
     };
-    let ended = campaign.lead(handle.state.clone()).await;
-    let _ = stop_tx.send(true);
-    let elector_error = match elector_task.await {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(anyhow::Error::from(e)),
-        Err(e) => Some(anyhow::Error::from(e).context("the elector task failed")),
-    };
+    let ended = campaign
+        .lead(handle.state.clone(), rt.shutdown().clone())
+        .await;
+    // Only now, with the command's tree gone, may the lease be released.
+    let elector_error = elector.stop().await;
     campaign.log.write("exited", serde_json::json!({}));
     let ended = match (ended, elector_error) {
         (Ok(ended), None) => ended,
@@ -381,11 +377,11 @@ fn grace_of(seconds: f64) -> anyhow::Result<Duration> {
 impl Campaign {
     /// Follows the elector's state until the command exits or this process is told to stop;
     /// the command's tree is gone when it returns.
-    async fn lead(&mut self, mut state: watch::Receiver<LeaderState>) -> anyhow::Result<Ended> {
-        let mut sigterm =
-            signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-        let mut sigint =
-            signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    async fn lead(
+        &mut self,
+        mut state: watch::Receiver<LeaderState>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<Ended> {
         let mut sigchld = signal(SignalKind::child()).context("installing the SIGCHLD handler")?;
         self.log
             .write("started", serde_json::json!({"lease": self.args.lease}));
@@ -407,13 +403,8 @@ impl Campaign {
                     self.stop_all(&current, StopReason::CommandExited).await;
                     return Ok(Ended::Command(status?));
                 }
-                _ = sigterm.recv() => {
-                    info!("SIGTERM: stopping the command and releasing the lease");
-                    self.stop_all(&current, StopReason::Shutdown).await;
-                    return Ok(Ended::Signalled);
-                }
-                _ = sigint.recv() => {
-                    info!("interrupted: stopping the command and releasing the lease");
+                () = shutdown.cancelled() => {
+                    info!("stopping the command and releasing the lease");
                     self.stop_all(&current, StopReason::Shutdown).await;
                     return Ok(Ended::Signalled);
                 }

@@ -61,9 +61,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             for_server,
         } => {
             let with_rules = if for_server {
-                let client = kube::Client::try_default()
-                    .await
-                    .context("connecting to Kubernetes (set KUBECONFIG)")?;
+                let client = crate::runtime::client().await?;
                 let v = client
                     .apiserver_version()
                     .await

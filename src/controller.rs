@@ -3,11 +3,9 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
@@ -17,10 +15,19 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
+
+use crate::admin::{AdminServer, ReadyFlag, RenewalGauge};
+use crate::runtime::Runtime;
 
 use crate::api::{Condition, FencedLease, FIELD_MANAGER, ROLE_LABEL};
 use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
@@ -29,7 +36,6 @@ use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, FencingToken, Mono, Observation,
 };
 use crate::lease::Revocation;
-use crate::metrics::{ControllerMetrics, EventLabel, HealthState, ResultLabel};
 use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE};
 
 #[derive(Debug, clap::Args)]
@@ -85,6 +91,56 @@ pub struct ControllerArgs {
     #[arg(long, default_value_t = 30, requires = "fencing_policy",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub fencing_policy_sweep_seconds: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabel {
+    pub event: &'static str,
+}
+
+/// The controller's metrics.
+pub struct ControllerMetrics {
+    pub reconciles: Family<ResultLabel, Counter>,
+    pub reconcile_seconds: Histogram,
+    pub lease_events: Family<EventLabel, Counter>,
+    pub leading: Gauge,
+}
+
+impl ControllerMetrics {
+    pub fn register(registry: &mut Registry) -> ControllerMetrics {
+        let m = ControllerMetrics {
+            reconciles: Family::default(),
+            reconcile_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            lease_events: Family::default(),
+            leading: Gauge::default(),
+        };
+        registry.register(
+            "fencedlease_controller_reconciles",
+            "Reconciliations by result (ok, or an error class)",
+            m.reconciles.clone(),
+        );
+        registry.register(
+            "fencedlease_controller_reconcile_seconds",
+            "Time spent in one reconciliation",
+            m.reconcile_seconds.clone(),
+        );
+        registry.register(
+            "fencedlease_lease_events",
+            "Lease changes the controller observed: acquired, released, revoked, handover",
+            m.lease_events.clone(),
+        );
+        registry.register(
+            "fencedlease_controller_leading",
+            "1 while this replica is the active controller",
+            m.leading.clone(),
+        );
+        m
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -1085,15 +1141,14 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         .identity
         .clone()
         .unwrap_or_else(crate::identity::default_identity);
-    let client = Client::try_default()
-        .await
-        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let rt = Runtime::start().await?;
+    let client = rt.client().clone();
     if let Some(policy) = &args.fencing_policy {
         crate::policy::require_policy(&client, policy).await?;
     }
-    let (stop_tx, stop_rx) = watch::channel(false);
     // The metrics server starts first, before the elector.
-    let (health, metrics, renewals) = MetricsServer::start(&args, &stop_rx);
+    let ready = ReadyFlag::default();
+    let (admin, metrics, renewals) = start_admin(&args, &ready, rt.shutdown());
     let owner = election_owner(&client, &args).await;
     let (elector, handle) = Elector::new(
         client.clone(),
@@ -1101,13 +1156,13 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             namespace: args.election_namespace.clone(),
             lease: args.election_lease.clone(),
             identity: identity.clone(),
-            create_with_duration: Some(15),
+            create_with_duration: Some(crate::api::DEFAULT_LEASE_DURATION_SECONDS),
             create_owner: owner.clone(),
             timing_override: None,
         },
     )?;
     renewals.follow(handle.state.clone());
-    let elector_task = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
+    let elector = rt.spawn_elector(elector);
     let bindings = args.fencing_policy.clone().map(|p| {
         Arc::new(crate::policy::Bindings::new(
             client.clone(),
@@ -1116,76 +1171,49 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
         ))
     });
     let ctx = Arc::new(Context::new(client.clone(), metrics, &identity).with_bindings(bindings));
-    health.ready.store(true, Ordering::Relaxed);
-
+    ready.set(true);
+    let active = Active {
+        args: &args,
+        client: &client,
+        ctx: &ctx,
+        owner: owner.as_ref(),
+        shutdown: rt.shutdown(),
+    };
     let mut state = handle.state.clone();
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    while let Some(token) = wait_until_leading(&mut state, &mut sigterm).await {
-        info!(
-            token = token.generation,
-            "this replica is the active controller"
-        );
-        let term = Term {
-            args: &args,
-            client: &client,
-            ctx: &ctx,
-            owner: owner.as_ref(),
-        };
-        if term.lead(&mut state, &mut sigterm).await == "stopped" {
+    while let Some(term) = active.next_term(&mut state).await {
+        if term.lead(&mut state).await == TermEnd::Stopped {
             break;
         }
         warn!("lost the controller lease: standing by");
     }
     info!("shutting down");
-    health.ready.store(false, Ordering::Relaxed);
-    let _ = stop_tx.send(true);
-    if let Ok(Err(e)) = elector_task.await {
-        warn!(error = %e, "the elector ended with an error");
-    }
-    health.join().await;
+    ready.set(false);
+    rt.shutdown().cancel();
+    elector.stop_and_warn().await;
+    admin.join().await;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// The controller's /metrics, /livez and /readyz server, and its readiness.
-struct MetricsServer {
-    ready: Arc<AtomicBool>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-impl MetricsServer {
-    /// Registers the metrics and serves them until `stop_rx`; not ready yet.
-    fn start(
-        args: &ControllerArgs,
-        stop_rx: &watch::Receiver<bool>,
-    ) -> (Self, ControllerMetrics, crate::metrics::RenewalGauge) {
-        let mut registry = Registry::default();
-        let metrics = ControllerMetrics::register(&mut registry);
-        let renewals = crate::metrics::RenewalGauge::register(
-            &mut registry,
-            "fencedlease_controller_last_renewal_timestamp_seconds",
-        );
-        let ready = Arc::new(AtomicBool::new(false));
-        let health = HealthState {
-            registry: Arc::new(registry),
-            ready: ready.clone(),
-        };
-        let server = tokio::spawn(crate::metrics::serve(
-            args.metrics_addr,
-            health,
-            crate::until_stopped(stop_rx.clone()),
-        ));
-        (MetricsServer { ready, server }, metrics, renewals)
-    }
-
-    /// Waits for the server to finish its graceful shutdown.
-    async fn join(self) {
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
-            Err(e) => warn!(error = %e, "the metrics server task failed"),
-        }
-    }
+/// Registers the controller's metrics and serves them with /livez and /readyz (`ready`) until
+/// `shutdown`.
+fn start_admin(
+    args: &ControllerArgs,
+    ready: &ReadyFlag,
+    shutdown: &CancellationToken,
+) -> (AdminServer, ControllerMetrics, RenewalGauge) {
+    let mut registry = Registry::default();
+    let metrics = ControllerMetrics::register(&mut registry);
+    let renewals = RenewalGauge::register(
+        &mut registry,
+        "fencedlease_controller_last_renewal_timestamp_seconds",
+    );
+    let server = AdminServer::start(
+        args.metrics_addr,
+        ready.readiness(),
+        Arc::new(registry),
+        shutdown.clone(),
+    );
+    (server, metrics, renewals)
 }
 
 /// The Service meant to own the election FencedLease (--election-owner-service), when it can
@@ -1205,43 +1233,66 @@ async fn election_owner(client: &Client, args: &ControllerArgs) -> Option<OwnerR
     }
 }
 
-/// Waits until this replica leads; None on SIGTERM, Ctrl-C or when the elector is gone.
-async fn wait_until_leading(
-    state: &mut watch::Receiver<LeaderState>,
-    sigterm: &mut tokio::signal::unix::Signal,
-) -> Option<FencingToken> {
-    loop {
-        let s = state.borrow_and_update().clone();
-        if let Some(token) = s.leading_token(Instant::now()) {
-            return Some(token.clone());
-        }
-        tokio::select! {
-            r = state.changed() => if r.is_err() { return None },
-            _ = sigterm.recv() => return None,
-            _ = tokio::signal::ctrl_c() => return None,
-        }
-    }
+/// How a term as the active controller ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TermEnd {
+    /// Leadership ended, by news from the elector or by its deadline: stand by.
+    Lost,
+    /// The controller was told to stop (or its reconciler ended): shut down.
+    Stopped,
 }
 
-/// What one term as the active controller needs.
-struct Term<'a> {
+/// What a term ends on, as far as the elector's state says: None while it leads, else the end.
+fn term_end_of(state: &LeaderState, now: Instant) -> Option<TermEnd> {
+    state.leading_token(now).is_none().then_some(TermEnd::Lost)
+}
+
+/// What every term as the active controller needs.
+struct Active<'a> {
     args: &'a ControllerArgs,
     client: &'a Client,
     ctx: &'a Arc<Context>,
     owner: Option<&'a OwnerReference>,
+    shutdown: &'a CancellationToken,
+}
+
+/// One term as the active controller: from the moment this replica leads with `token`.
+struct Term<'a> {
+    active: &'a Active<'a>,
+    token: FencingToken,
+}
+
+impl<'a> Active<'a> {
+    /// Waits until this replica leads; None on shutdown or when the elector is gone.
+    async fn next_term(&'a self, state: &mut watch::Receiver<LeaderState>) -> Option<Term<'a>> {
+        loop {
+            let s = state.borrow_and_update().clone();
+            if let Some(token) = s.leading_token(Instant::now()) {
+                info!(
+                    token = token.generation,
+                    "this replica is the active controller"
+                );
+                return Some(Term {
+                    active: self,
+                    token: token.clone(),
+                });
+            }
+            tokio::select! {
+                r = state.changed() => if r.is_err() { return None },
+                () = self.shutdown.cancelled() => return None,
+            }
+        }
+    }
 }
 
 impl Term<'_> {
-    /// Reconciles (and keeps the bindings and certificates) until leadership is lost
-    /// ("lost") or the controller is told to stop ("stopped").
-    async fn lead(
-        &self,
-        state: &mut watch::Receiver<LeaderState>,
-        sigterm: &mut tokio::signal::unix::Signal,
-    ) -> &'static str {
-        let (args, client, ctx) = (self.args, self.client, self.ctx);
+    /// Reconciles (and keeps the bindings and certificates) until the term ends.
+    async fn lead(&self, state: &mut watch::Receiver<LeaderState>) -> TermEnd {
+        let Active {
+            args, client, ctx, ..
+        } = *self.active;
         ctx.metrics.leading.set(1);
-        if let Some(owner) = self.owner {
+        if let Some(owner) = self.active.owner {
             adopt_election_lease(
                 client,
                 &args.election_namespace,
@@ -1261,48 +1312,46 @@ impl Term<'_> {
         let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
             .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
             .with_config(controller::Config::default().concurrency(args.concurrency))
-            .shutdown_on_signal()
+            .graceful_shutdown_on(self.active.shutdown.clone().cancelled_owned())
             .run(reconcile, error_policy, ctx.clone())
             .for_each(|res| async move {
                 if let Err(e) = res {
                     tracing::debug!(error = %e, "reconcile error");
                 }
             });
-        tokio::pin!(controller);
         let certs_task =
             cert_config(args).map(|cfg| tokio::spawn(keep_certificates(client.clone(), cfg)));
-        let outcome = until_term_ends(state, controller, sigterm).await;
+        let ended = self.ended(state, controller).await;
+        debug!(token = self.token.generation, ?ended, "the term ended");
         ctx.metrics.leading.set(0);
-        if let Some(t) = certs_task {
+        for t in [certs_task, sweep_task].into_iter().flatten() {
             t.abort();
         }
-        if let Some(t) = sweep_task {
-            t.abort();
-        }
-        outcome
+        ended
     }
-}
 
-/// Runs `controller` until leadership is lost, by event or by deadline ("lost"), or until
-/// it stops or SIGTERM comes ("stopped").
-async fn until_term_ends(
-    state: &mut watch::Receiver<LeaderState>,
-    mut controller: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
-    sigterm: &mut tokio::signal::unix::Signal,
-) -> &'static str {
-    loop {
-        let s = state.borrow().clone();
-        let deadline = match &s {
-            LeaderState::Leading { valid_until, .. } => *valid_until,
-            _ => return "lost",
-        };
-        tokio::select! {
-            () = &mut controller => return "stopped",
-            r = state.changed() => if r.is_err() { return "lost" },
-            () = tokio::time::sleep_until(deadline) => {
-                if state.borrow().leading_token(Instant::now()).is_none() { return "lost" }
+    /// Runs `controller` until leadership is lost, by event or by deadline, or until it stops
+    /// or shutdown comes.
+    async fn ended(
+        &self,
+        state: &mut watch::Receiver<LeaderState>,
+        controller: impl std::future::Future<Output = ()>,
+    ) -> TermEnd {
+        tokio::pin!(controller);
+        loop {
+            let s = state.borrow().clone();
+            if let Some(end) = term_end_of(&s, Instant::now()) {
+                return end;
             }
-            _ = sigterm.recv() => return "stopped",
+            let LeaderState::Leading { valid_until, .. } = s else {
+                return TermEnd::Lost;
+            };
+            tokio::select! {
+                () = &mut controller => return TermEnd::Stopped,
+                r = state.changed() => if r.is_err() { return TermEnd::Lost },
+                () = tokio::time::sleep_until(valid_until) => {}
+                () = self.active.shutdown.cancelled() => return TermEnd::Stopped,
+            }
         }
     }
 }
@@ -1310,6 +1359,29 @@ async fn until_term_ends(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_term_ends_when_leadership_does_by_news_or_by_deadline() {
+        let now = Instant::now();
+        let leading = |until| LeaderState::Leading {
+            token: FencingToken {
+                lease_uid: "u".into(),
+                generation: 3,
+            },
+            valid_until: until,
+        };
+        assert_eq!(
+            term_end_of(&leading(now + Duration::from_secs(1)), now),
+            None
+        );
+        assert_eq!(term_end_of(&leading(now), now), Some(TermEnd::Lost));
+        let following = LeaderState::Following {
+            holder: Some("b".into()),
+            token: Some(4),
+        };
+        assert_eq!(term_end_of(&following, now), Some(TermEnd::Lost));
+        assert_eq!(term_end_of(&LeaderState::Unknown, now), Some(TermEnd::Lost));
+    }
 
     /// Steps that record the order they run in and answer what they were told to.
     struct Recorded {

@@ -302,13 +302,6 @@ mod tests {
                 }),
                 None,
             ),
-            // Not a pod of the lease, or nothing known yet.
-            (true, acquired, NotAPod, None),
-            (true, acquired, Unknown, None),
-            // Opted out: the lease is the only clock.
-            (false, acquired, Gone, None),
-            (false, acquired, Present(finished(Finished::Failed)), None),
-            (false, acquired, Present(pod(running(200))), None),
         ];
         for (opted_in, acquired, known, want) in table {
             assert_eq!(
@@ -316,6 +309,24 @@ mod tests {
                 want,
                 "{opted_in} {acquired:?} {known:?}"
             );
+        }
+    }
+
+    #[test]
+    fn nothing_known_or_opted_out_is_never_death() {
+        let acquired = Some(ms(100, 400));
+        let finished = PodState {
+            finished: Some(Finished::Failed),
+            ..pod(RUN)
+        };
+        let running = pod(Campaigner::Running { since: t(200) });
+        use HolderPod::*;
+        // Not a pod of the lease, or nothing known yet.
+        assert_eq!(death(true, acquired, NotAPod), None);
+        assert_eq!(death(true, acquired, Unknown), None);
+        // Opted out: the lease is the only clock.
+        for known in [Gone, Present(finished), Present(running)] {
+            assert_eq!(death(false, acquired, known), None, "{known:?}");
         }
     }
 

@@ -12,6 +12,7 @@
 
 pub use fencedlease_elector::{api, lease};
 
+pub mod admin;
 pub mod campaign;
 pub mod certs;
 pub mod cli;
@@ -21,18 +22,12 @@ pub mod fencing;
 pub mod holder;
 pub mod identity;
 pub mod logging;
-pub mod metrics;
 pub mod owners;
 pub mod plugin;
 pub mod pods;
 pub mod policy;
 pub mod probe;
 pub mod proxy;
+pub mod runtime;
 pub mod sidecar;
 pub mod webhook;
-
-/// Completes when the stop channel says true (or its sender is gone): the shutdown signal the
-/// long-running subcommands hand to their servers and electors.
-pub async fn until_stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await;
-}

@@ -22,6 +22,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, LeaderState};
@@ -182,42 +183,20 @@ async fn release(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     )
 }
 
-async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    let st = s.current();
-    let known = !matches!(*s.handle.state.borrow(), LeaderState::Unknown);
-    if (s.ready_only_when_leader && st.leading) || (!s.ready_only_when_leader && known) {
-        (StatusCode::OK, "ok")
-    } else if s.ready_only_when_leader {
-        (StatusCode::SERVICE_UNAVAILABLE, "not leading")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "lease state not known yet")
-    }
-}
-
-async fn metrics(State(s): State<Arc<Shared>>) -> Response {
-    encode_metrics(&s.registry)
-}
-
-/// The probe endpoint's /metrics: what a Prometheus on the pod network may scrape. The token
-/// is left out: it grants nothing by itself (a write still needs RBAC rights to the object, and
-/// whoever may read the FencedLease reads its generation), but nothing there needs it.
-async fn public_metrics(State(s): State<Arc<Shared>>) -> Response {
-    encode_metrics(&s.public_registry)
-}
-
-fn encode_metrics(registry: &Registry) -> Response {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, registry) {
-        Ok(()) => (
-            [(
-                axum::http::header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            body,
-        )
-            .into_response(),
-        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed").into_response(),
-    }
+/// Ready once the lease's state is known or, with --ready-only-when-leader, while leading.
+fn readiness(s: &Arc<Shared>) -> crate::admin::Readiness {
+    let s = s.clone();
+    crate::admin::Readiness::from_fn(move || {
+        let st = s.current();
+        let known = !matches!(*s.handle.state.borrow(), LeaderState::Unknown);
+        if (s.ready_only_when_leader && st.leading) || (!s.ready_only_when_leader && known) {
+            Ok(())
+        } else if s.ready_only_when_leader {
+            Err("not leading")
+        } else {
+            Err("lease state not known yet")
+        }
+    })
 }
 
 /// The sidecar's gauges and counters, registered in both registries (the token only in the
@@ -226,7 +205,7 @@ struct SidecarGauges {
     leading: Gauge<i64>,
     token: Gauge<i64>,
     health_failures: Counter,
-    renewals: crate::metrics::RenewalGauge,
+    renewals: crate::admin::RenewalGauge,
 }
 
 /// The loopback registry, the probe endpoint's registry and the metrics in them. Every series
@@ -244,7 +223,7 @@ fn sidecar_metrics(lease: &str) -> (Registry, Registry, SidecarGauges) {
         leading: Gauge::default(),
         token: Gauge::default(),
         health_failures: Counter::default(),
-        renewals: crate::metrics::RenewalGauge::default(),
+        renewals: crate::admin::RenewalGauge::default(),
     };
     for r in [&mut all, &mut public] {
         r.register(
@@ -309,11 +288,7 @@ async fn watch_sse(
 }
 
 /// Keeps `token` and `lease-uid` in `dir` while leading (written atomically), removed otherwise.
-async fn token_files(
-    dir: PathBuf,
-    mut rx: watch::Receiver<LeaderState>,
-    mut stop: watch::Receiver<bool>,
-) {
+async fn token_files(dir: PathBuf, mut rx: watch::Receiver<LeaderState>, stop: CancellationToken) {
     let mut written: Option<(i64, String)> = None;
     loop {
         let state = rx.borrow_and_update().clone();
@@ -343,7 +318,7 @@ async fn token_files(
         tokio::select! {
             r = rx.changed() => if r.is_err() { break },
             () = tokio::time::sleep_until(deadline) => {}
-            _ = stop.wait_for(|s| *s) => break,
+            () = stop.cancelled() => break,
         }
     }
     if let Err(e) = remove_token_files(&dir) {
@@ -466,69 +441,10 @@ async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::Tcp
     }
 }
 
-/// /healthz and /readyz: served on the loopback API and, alone, on the probe endpoint.
-fn probe_routes() -> Router<Arc<Shared>> {
-    Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-}
-
-/// How much of the sidecar a peer on the pod network can hold through the probe endpoint.
-#[derive(Clone, Copy, Debug)]
-struct ProbeLimits {
-    /// Connections served at once; more are closed at once (kubelet makes one per probe).
-    max_connections: usize,
-    /// A connection that has not sent its request headers by then is closed.
-    header_timeout: Duration,
-    /// No connection lives longer (one request each: no keep-alive).
-    connection_timeout: Duration,
-}
-
-impl Default for ProbeLimits {
-    fn default() -> Self {
-        ProbeLimits {
-            max_connections: 32,
-            header_timeout: Duration::from_secs(5),
-            connection_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// Serves the probe endpoint (HTTP/1, one request per connection) within `limits` until `stop`.
-async fn serve_probes(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    limits: ProbeLimits,
-    stop: impl std::future::Future<Output = ()>,
-) -> std::io::Result<()> {
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    tokio::pin!(stop);
-    loop {
-        let tcp = tokio::select! {
-            _ = &mut stop => return Ok(()),
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    warn!(error = %e, "probe endpoint: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            continue; // full: dropping the connection closes it
-        };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let _slot = slot;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(limits.header_timeout)
-                .keep_alive(false)
-                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            let _ = tokio::time::timeout(limits.connection_timeout, conn).await;
-        });
-    }
+/// /healthz (the alias of /livez that injected pods probe), /livez and /readyz: served on the
+/// loopback API and, with the public /metrics, on the probe endpoint.
+fn probe_routes<S: Clone + Send + Sync + 'static>(shared: &Arc<Shared>) -> Router<S> {
+    crate::admin::health_routes(readiness(shared)).merge(crate::admin::healthz_alias())
 }
 
 /// An IPv6 listening socket that also accepts IPv4 (IPV6_V6ONLY off), non-blocking for tokio.
@@ -551,11 +467,9 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         .identity
         .clone()
         .unwrap_or_else(crate::identity::default_identity);
-    let client = kube::Client::try_default()
-        .await
-        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    let rt = crate::runtime::Runtime::start().await?;
     let (elector, handle) = Elector::new(
-        client.clone(),
+        rt.client().clone(),
         ElectorConfig {
             namespace: args.namespace.clone(),
             lease: args.lease.clone(),
@@ -566,11 +480,11 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         },
     )?;
     let (shared, gauges) = shared_state(&args, identity, &handle);
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let background = Background::start(&args, elector, &shared, gauges, health_url, &stop_rx);
-    let servers = Servers::start(&args, client, shared, &stop_rx).await?;
-    wait_for_stop_signal().await?;
-    let _ = stop_tx.send(true);
+    let stop = rt.shutdown();
+    let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
+    let servers = Servers::start(&args, rt.client().clone(), shared, stop).await?;
+    stop.cancelled().await;
+    info!("releasing the lease");
     background.join().await;
     servers.join().await;
     Ok(std::process::ExitCode::SUCCESS)
@@ -622,18 +536,18 @@ fn shared_state(
 /// The tasks that run beside the servers until the stop signal: the elector, the token
 /// files, and the metrics and app health check (these end with the process).
 struct Background {
-    elector: tokio::task::JoinHandle<Result<(), crate::lease::elector::Error>>,
+    elector: crate::runtime::ElectorTask,
     files: tokio::task::JoinHandle<()>,
 }
 
 impl Background {
     fn start(
         args: &SidecarArgs,
+        rt: &crate::runtime::Runtime,
         elector: Elector,
         shared: &Arc<Shared>,
         gauges: SidecarGauges,
         health_url: Option<HttpUrl>,
-        stop_rx: &watch::Receiver<bool>,
     ) -> Self {
         let SidecarGauges {
             leading,
@@ -643,11 +557,11 @@ impl Background {
         } = gauges;
         let state = shared.handle.state.clone();
         renewals.follow(state.clone());
-        let elector = tokio::spawn(elector.run(crate::until_stopped(stop_rx.clone())));
+        let elector = rt.spawn_elector(elector);
         let files = tokio::spawn(token_files(
             args.token_dir.clone(),
             state.clone(),
-            stop_rx.clone(),
+            rt.shutdown().clone(),
         ));
         tokio::spawn(follow_leadership(state, leading, token));
         if let Some(url) = health_url {
@@ -663,14 +577,11 @@ impl Background {
         Background { elector, files }
     }
 
-    /// Waits for the elector (which releases the lease) and the token files to finish.
+    /// Once shutdown has come: waits for the token files to go, then stops the elector
+    /// (which releases the lease).
     async fn join(self) {
-        match self.elector.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "the elector ended with an error"),
-            Err(e) => warn!(error = %e, "the elector task failed"),
-        }
         let _ = self.files.await;
+        self.elector.stop_and_warn().await;
     }
 }
 
@@ -714,26 +625,27 @@ impl Servers {
         args: &SidecarArgs,
         client: kube::Client,
         shared: Arc<Shared>,
-        stop_rx: &watch::Receiver<bool>,
+        stop: &CancellationToken,
     ) -> anyhow::Result<Self> {
+        // The probe endpoint's /metrics: what a Prometheus on the pod network may scrape. The
+        // token is left out: it grants nothing by itself (a write still needs RBAC rights to the
+        // object, and whoever may read the FencedLease reads its generation), but nothing there
+        // needs it.
         let probes = args.probe_listen.map(|addr| {
-            let router = probe_routes()
-                .route("/metrics", get(public_metrics))
-                .with_state(shared.clone());
+            let router = probe_routes(&shared)
+                .merge(crate::admin::metrics_route(shared.public_registry.clone()));
             (addr, router)
         });
         let state = shared.handle.state.clone();
-        let api = serve_api(args, shared, stop_rx.clone()).await?;
+        let api = serve_api(args, shared, stop.clone()).await?;
         let proxy = match args.proxy_listen {
-            Some(addr) => Some(serve_proxy(args, addr, client, state, stop_rx.clone()).await?),
+            Some(addr) => Some(serve_proxy(args, addr, client, state, stop.clone()).await?),
             None => None,
         };
         // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
         // starts once it answers, by when every other endpoint listens.
         let probes = match probes {
-            Some((addr, router)) => {
-                Some(serve_probe_endpoint(addr, router, stop_rx.clone()).await?)
-            }
+            Some((addr, router)) => Some(serve_probe_endpoint(addr, router, stop.clone()).await?),
             None => None,
         };
         Ok(Servers { api, proxy, probes })
@@ -752,15 +664,15 @@ impl Servers {
 async fn serve_api(
     args: &SidecarArgs,
     shared: Arc<Shared>,
-    stop_rx: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/token", get(token))
         .route("/v1/watch", get(watch_sse))
         .route("/v1/release", post(release))
-        .merge(probe_routes())
-        .route("/metrics", get(metrics))
+        .merge(probe_routes(&shared))
+        .merge(crate::admin::metrics_route(shared.registry.clone()))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -768,7 +680,7 @@ async fn serve_api(
     info!(addr = %args.listen, lease = %args.lease, "sidecar API listening");
     Ok(tokio::spawn(async move {
         axum::serve(listener, app)
-            .with_graceful_shutdown(crate::until_stopped(stop_rx))
+            .with_graceful_shutdown(stop.cancelled_owned())
             .await
     }))
 }
@@ -779,46 +691,34 @@ async fn serve_proxy(
     addr: SocketAddr,
     client: kube::Client,
     state: watch::Receiver<LeaderState>,
-    stop_rx: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
     let router = crate::proxy::router(client, state, args.lease.clone(), args.namespace.clone());
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the proxy on {addr}"))?;
     info!(%addr, "Kubernetes API proxy listening");
-    let stop = crate::until_stopped(stop_rx);
     Ok(tokio::spawn(async move {
-        axum::serve(l, router).with_graceful_shutdown(stop).await
+        axum::serve(l, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
     }))
 }
 
-/// The probe endpoint on `addr`, within the default [`ProbeLimits`].
+/// The probe endpoint on `addr`, within the default [`crate::admin::Limits`].
 async fn serve_probe_endpoint(
     addr: SocketAddr,
     router: Router,
-    stop_rx: watch::Receiver<bool>,
+    stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
     let l = bind_probe_listener(addr).await?;
     let addr = l.local_addr().unwrap_or(addr);
     info!(%addr, "probe endpoint (/healthz, /readyz, /metrics without the token) listening");
-    let stop = crate::until_stopped(stop_rx);
-    Ok(tokio::spawn(serve_probes(
-        l,
-        router,
-        ProbeLimits::default(),
-        stop,
-    )))
-}
-
-/// Waits for SIGTERM or Ctrl-C.
-async fn wait_for_stop_signal() -> anyhow::Result<()> {
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        _ = sigterm.recv() => info!("SIGTERM: releasing the lease"),
-        _ = tokio::signal::ctrl_c() => info!("interrupted: releasing the lease"),
-    }
-    Ok(())
+    let limits = crate::admin::Limits::default();
+    Ok(tokio::spawn(async move {
+        crate::admin::serve(l, router, limits, stop.cancelled_owned()).await;
+        Ok(())
+    }))
 }
 
 #[cfg(test)]
@@ -827,13 +727,18 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A probe endpoint with `limits` on a free loopback port; returns its address.
-    async fn probe_endpoint(limits: ProbeLimits) -> SocketAddr {
+    async fn probe_endpoint(limits: crate::admin::Limits) -> SocketAddr {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = l.local_addr().expect("address");
         let router = Router::new().route("/healthz", get(|| async { "ok" }));
-        tokio::spawn(serve_probes(l, router, limits, std::future::pending()));
+        tokio::spawn(crate::admin::serve(
+            l,
+            router,
+            limits,
+            std::future::pending(),
+        ));
         addr
     }
 
@@ -860,10 +765,10 @@ mod tests {
 
     #[tokio::test]
     async fn the_probe_endpoint_answers_and_closes_idle_and_surplus_connections() {
-        let limits = ProbeLimits {
+        let limits = crate::admin::Limits {
             max_connections: 1,
             header_timeout: Duration::from_millis(300),
-            connection_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
         };
         let addr = probe_endpoint(limits).await;
         // A probe: one request, an answer, the connection closed.

@@ -25,7 +25,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::post;
 use axum::Router;
 use base64::Engine as _;
 use futures::StreamExt;
@@ -39,13 +39,11 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
 use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
-use crate::metrics::HealthState;
 use admission::{Judgement, Parsed, ScaleCheck};
 use tls::{CertFiles, ReloadingCert};
 
@@ -524,18 +522,20 @@ async fn guarded_response(
     }
 }
 
-async fn readyz(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    s.health.refresh();
-    if s.health.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ok")
-    } else if !s.health.synced.load(Ordering::Relaxed) {
-        (StatusCode::SERVICE_UNAVAILABLE, "lease cache not synced")
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "cannot read from the API server: protected writes are refused",
-        )
-    }
+/// Ready once the lease cache has synced and the API server was readable within
+/// `API_HEALTH_WINDOW` (see [`ApiHealth`]).
+fn readiness(shared: &Arc<Shared>) -> crate::admin::Readiness {
+    let s = shared.clone();
+    crate::admin::Readiness::from_fn(move || {
+        s.health.refresh();
+        if s.health.ready.load(Ordering::Relaxed) {
+            Ok(())
+        } else if !s.health.synced.load(Ordering::Relaxed) {
+            Err("lease cache not synced")
+        } else {
+            Err("cannot read from the API server: protected writes are refused")
+        }
+    })
 }
 
 /// Loads the serving certificate, waiting for the files to appear: with self-managed
@@ -567,9 +567,9 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
         .exemptions()
         .context("checking --exempt-user and --exempt-group")?;
     let (tls_config, cert) = start_tls(&args).await?;
-    let client = Client::try_default()
-        .await
-        .context("connecting to Kubernetes (set KUBECONFIG or run in a pod)")?;
+    // After the certificate: until it is there, SIGTERM ends the process at once.
+    let rt = crate::runtime::Runtime::start().await?;
+    let client = rt.client().clone();
     let native_sidecars = native_sidecars(&client).await?;
     let store = start_lease_cache(&client);
 
@@ -595,30 +595,32 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     });
     start_readiness(&shared, store);
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let health = HealthState {
-        registry: Arc::new(registry),
-        ready: ready.clone(),
-    };
-    let metrics_server = tokio::spawn(crate::metrics::serve(
+    let readiness = readiness(&shared);
+    let stop = rt.shutdown().clone();
+    let admin = crate::admin::AdminServer::start(
         args.metrics_addr,
-        health,
-        crate::until_stopped(stop_rx.clone()),
-    ));
-
+        readiness.clone(),
+        Arc::new(registry),
+        stop.clone(),
+    );
     let app = Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
-        .route("/livez", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
+        .merge(crate::admin::health_routes(readiness))
         .with_state(shared);
-    server::serve_until_signalled(args.listen, tls_config, app, limits, server_metrics).await?;
+    let served = server::serve_until(
+        args.listen,
+        tls_config,
+        app,
+        limits,
+        server_metrics,
+        stop.clone(),
+    )
+    .await;
     info!("shutting down");
-    ready.store(false, Ordering::Relaxed);
-    let _ = stop_tx.send(true);
-    if let Ok(Err(e)) = metrics_server.await {
-        warn!(error = %e, "the metrics server failed");
-    }
+    stop.cancel();
+    admin.join().await;
+    served?;
     Ok(std::process::ExitCode::SUCCESS)
 }
 

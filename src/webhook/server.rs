@@ -35,6 +35,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::admission;
@@ -498,14 +499,14 @@ async fn idle(busy: &mut watch::Receiver<usize>, timeout: Duration) {
 /// When (and why) the server ends a connection that began at `born`.
 async fn until_end(
     mut busy: watch::Receiver<usize>,
-    mut stop: watch::Receiver<bool>,
+    stop: CancellationToken,
     limits: &Limits,
     born: Instant,
 ) -> End {
     tokio::select! {
         _ = idle(&mut busy, limits.idle_timeout) => End::Idle,
         _ = tokio::time::sleep_until(born + limits.max_connection_age) => End::MaxAge,
-        _ = stop.wait_for(|s| *s) => End::Shutdown,
+        () = stop.cancelled() => End::Shutdown,
     }
 }
 
@@ -627,7 +628,7 @@ async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
     ctx: Arc<Ctx>,
-    stop: watch::Receiver<bool>,
+    stop: CancellationToken,
     slot: Slot,
 ) {
     let _slot = slot;
@@ -721,7 +722,7 @@ pub async fn serve(
         limits,
         metrics,
     });
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let connections = CancellationToken::new();
     tokio::pin!(stop);
     loop {
         let (tcp, peer) = tokio::select! {
@@ -754,12 +755,18 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(%peer, error = %e, "could not set TCP_NODELAY");
         }
-        tokio::spawn(connection(tcp, peer, ctx.clone(), stop_rx.clone(), slot));
+        tokio::spawn(connection(
+            tcp,
+            peer,
+            ctx.clone(),
+            connections.clone(),
+            slot,
+        ));
     }
     drop(listener);
     let open = max - slots.available_permits();
     info!(open, "stopped accepting; finishing the open connections");
-    let _ = stop_tx.send(true);
+    connections.cancel();
     let all = u32::try_from(max).unwrap_or(u32::MAX);
     let wait = ctx
         .limits
@@ -781,29 +788,21 @@ pub enum ServeError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("installing the SIGTERM handler: {0}")]
-    Signal(std::io::Error),
 }
 
-/// Binds `addr` and serves `app` within `limits` until SIGTERM or ctrl-c.
-pub async fn serve_until_signalled(
+/// Binds `addr` and serves `app` within `limits` until `stop` is cancelled (the runtime
+/// cancels it on SIGTERM or SIGINT).
+pub async fn serve_until(
     addr: SocketAddr,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
     limits: Limits,
     metrics: ServerMetrics,
+    stop: CancellationToken,
 ) -> Result<(), ServeError> {
     let listener = bind(addr, &limits).map_err(|source| ServeError::Bind { addr, source })?;
     info!(%addr, "serving admission reviews over HTTPS at /validate");
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(ServeError::Signal)?;
-    let stop = async move {
-        tokio::select! {
-            _ = sigterm.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    };
-    serve(listener, tls, app, limits, metrics, stop).await;
+    serve(listener, tls, app, limits, metrics, stop.cancelled_owned()).await;
     Ok(())
 }
 

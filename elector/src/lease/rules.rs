@@ -762,6 +762,15 @@ mod tests {
                 Op::Freeze => frozen = true,
             }
         }
+        check_candidate(&writes, &history)
+    }
+
+    /// A candidate that sees `writes` (applied at, what was stored, its delay in seeing it)
+    /// in order: an error if it would take over while `history` says the holder claims.
+    fn check_candidate(
+        writes: &[(Duration, Stored, u64)],
+        history: &[(Duration, Tenure)],
+    ) -> Result<(), String> {
         let mut obs: Option<Observation> = None;
         let mut seen_at = Duration::ZERO;
         for (k, (applied, w, delay)) in writes.iter().enumerate() {

@@ -1,0 +1,451 @@
+//! The admin endpoints every role serves: `/livez`, `/readyz` (from a [`Readiness`]) and
+//! `/metrics` (OpenMetrics text), plus the small bounded HTTP/1 server that serves them on their
+//! own port. The routes are generic over the router's state, so a role can also merge them into
+//! a router of its own (the webhook's HTTPS port, the sidecar's loopback API).
+//!
+//! Also here: the renewal gauge that every elected role exports ([`RenewalGauge`]).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::lease::elector::LeaderState;
+
+/// The content type of `/metrics`.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Whether a role is ready: `Ok` or the reason it is not (the body of a 503 on `/readyz`).
+#[derive(Clone)]
+pub struct Readiness(Arc<dyn Fn() -> Result<(), &'static str> + Send + Sync>);
+
+impl Readiness {
+    /// Readiness decided by `check` at each request.
+    pub fn from_fn(check: impl Fn() -> Result<(), &'static str> + Send + Sync + 'static) -> Self {
+        Readiness(Arc::new(check))
+    }
+
+    pub fn check(&self) -> Result<(), &'static str> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Readiness").field(&self.check()).finish()
+    }
+}
+
+/// A readiness switch (not ready until set): for roles whose readiness is a moment, not a check.
+#[derive(Clone, Debug, Default)]
+pub struct ReadyFlag(Arc<AtomicBool>);
+
+impl ReadyFlag {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// The [`Readiness`] that follows this flag.
+    pub fn readiness(&self) -> Readiness {
+        let flag = self.0.clone();
+        Readiness::from_fn(move || {
+            if flag.load(Ordering::Relaxed) {
+                Ok(())
+            } else {
+                Err("not ready")
+            }
+        })
+    }
+}
+
+/// `/livez` and `/readyz`.
+pub fn health_routes<S: Clone + Send + Sync + 'static>(ready: Readiness) -> Router<S> {
+    Router::new()
+        .route("/livez", get(live))
+        .route("/readyz", get(move || readyz(ready.clone())))
+}
+
+/// `/healthz`, the sidecar's name for `/livez` that pods injected before keep probing.
+pub fn healthz_alias<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new().route("/healthz", get(live))
+}
+
+/// `/metrics`: `registry` as OpenMetrics text.
+pub fn metrics_route<S: Clone + Send + Sync + 'static>(registry: Arc<Registry>) -> Router<S> {
+    Router::new().route("/metrics", get(move || metrics(registry.clone())))
+}
+
+/// `/livez`, `/readyz` and `/metrics`: what a role's admin port serves.
+pub fn router(ready: Readiness, registry: Arc<Registry>) -> Router {
+    health_routes(ready).merge(metrics_route(registry))
+}
+
+async fn live() -> &'static str {
+    "ok"
+}
+
+async fn readyz(ready: Readiness) -> (StatusCode, &'static str) {
+    match ready.check() {
+        Ok(()) => (StatusCode::OK, "ok"),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+    }
+}
+
+async fn metrics(registry: Arc<Registry>) -> Response {
+    encode(&registry)
+}
+
+/// `registry` as an OpenMetrics answer (500 if it cannot be encoded).
+pub fn encode(registry: &Registry) -> Response {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, registry) {
+        Ok(()) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], body).into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "encoding metrics failed\n",
+        )
+            .into_response(),
+    }
+}
+
+/// What a client of an admin server can make it hold.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections served at once; more are closed at once (a probe or a scrape is one each).
+    pub max_connections: usize,
+    /// A connection that has not sent its request headers by then is closed.
+    pub header_timeout: Duration,
+    /// No connection lives longer (one request each: no keep-alive).
+    pub request_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 32,
+            header_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Binds `addr` for an admin server.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}
+
+/// Serves `router` on `listener` (HTTP/1, one request per connection) within `limits` until
+/// `stop` completes. Connections still open then finish within `limits.request_timeout`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: Limits,
+    stop: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        limits
+            .max_connections
+            .min(tokio::sync::Semaphore::MAX_PERMITS),
+    ));
+    tokio::pin!(stop);
+    loop {
+        let tcp = tokio::select! {
+            _ = &mut stop => return,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    warn!(error = %e, "admin endpoint: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue; // full: dropping the connection closes it
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            let _ = tokio::time::timeout(limits.request_timeout, conn).await;
+        });
+    }
+}
+
+/// A role's admin server: `/livez`, `/readyz` and `/metrics` on a port of their own.
+pub struct AdminServer(tokio::task::JoinHandle<std::io::Result<()>>);
+
+impl AdminServer {
+    /// Binds `addr` and serves there until `stop` is cancelled. A failure to bind does not
+    /// stop the role: [`AdminServer::join`] reports it.
+    pub fn start(
+        addr: SocketAddr,
+        ready: Readiness,
+        registry: Arc<Registry>,
+        stop: CancellationToken,
+    ) -> AdminServer {
+        AdminServer(tokio::spawn(async move {
+            let listener = bind(addr).await?;
+            info!(%addr, "serving /metrics, /livez and /readyz");
+            serve(
+                listener,
+                router(ready, registry),
+                Limits::default(),
+                stop.cancelled_owned(),
+            )
+            .await;
+            Ok(())
+        }))
+    }
+
+    /// Waits for the server to stop, logging why it failed if it did.
+    pub async fn join(self) {
+        match self.0.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
+            Err(e) => warn!(error = %e, "the metrics server task failed"),
+        }
+    }
+}
+
+/// A gauge of Unix time in seconds.
+pub type TimestampGauge = Gauge<f64, AtomicU64>;
+
+/// Did the elector's state move from `prev` to `next` by a renewal (or an acquisition)? Each
+/// successful renewal publishes a new validity, so a Leading state whose validity differs from
+/// the previous one is a renewal that succeeded.
+pub fn is_renewal(prev: &LeaderState, next: &LeaderState) -> bool {
+    match (prev, next) {
+        (
+            LeaderState::Leading {
+                valid_until: a,
+                token: t,
+            },
+            LeaderState::Leading {
+                valid_until: b,
+                token: u,
+            },
+        ) => a != b || t != u,
+        (_, LeaderState::Leading { .. }) => true,
+        _ => false,
+    }
+}
+
+/// `<role>_last_renewal_timestamp_seconds`: the Unix time of the latest successful
+/// acquisition or renewal of this process's lease (0 until the first). The alert "a leader
+/// stopped renewing" is `time() - this > lease duration` on a process that still leads.
+#[derive(Clone, Debug, Default)]
+pub struct RenewalGauge(TimestampGauge);
+
+impl RenewalGauge {
+    pub fn register(registry: &mut Registry, name: &str) -> RenewalGauge {
+        let g = RenewalGauge::default();
+        g.register_in(registry, name);
+        g
+    }
+
+    /// Registers this gauge (also) in `registry`, as `name`.
+    pub fn register_in(&self, registry: &mut Registry, name: &str) {
+        registry.register(
+            name,
+            "Unix time of this process's latest successful acquisition or renewal of its lease (0: none yet)",
+            self.0.clone(),
+        );
+    }
+
+    /// Follows an elector's state until its channel closes.
+    pub fn follow(self, mut state: tokio::sync::watch::Receiver<LeaderState>) {
+        tokio::spawn(async move {
+            let mut prev = LeaderState::Unknown;
+            loop {
+                let next = state.borrow_and_update().clone();
+                if is_renewal(&prev, &next) {
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or_default();
+                    self.0.set(now.as_secs_f64());
+                }
+                prev = next;
+                if state.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::rules::FencingToken;
+    use prometheus_client::metrics::counter::Counter;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::time::Instant;
+
+    fn leading(token: i64, until: Instant) -> LeaderState {
+        LeaderState::Leading {
+            token: FencingToken {
+                lease_uid: "u".into(),
+                generation: token,
+            },
+            valid_until: until,
+        }
+    }
+
+    #[test]
+    fn a_renewal_is_a_new_validity_or_a_new_term() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(2);
+        let follow = LeaderState::Following {
+            holder: Some("b".into()),
+            token: Some(3),
+        };
+        let cases = [
+            (LeaderState::Unknown, leading(1, t0), true, "acquired"),
+            (follow.clone(), leading(4, t0), true, "took over"),
+            (leading(4, t0), leading(4, t1), true, "renewed"),
+            (leading(4, t0), leading(5, t0), true, "a new term"),
+            (
+                leading(4, t0),
+                leading(4, t0),
+                false,
+                "the same state again",
+            ),
+            (leading(4, t0), follow.clone(), false, "lost"),
+            (LeaderState::Unknown, follow, false, "following"),
+        ];
+        for (prev, next, want, what) in cases {
+            assert_eq!(is_renewal(&prev, &next), want, "{what}");
+        }
+    }
+
+    /// An admin server on a free loopback port with `limits`; its address and its stop.
+    async fn admin(limits: Limits, ready: Readiness) -> (SocketAddr, CancellationToken) {
+        let l = bind("127.0.0.1:0".parse().expect("address"))
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("address");
+        let mut registry = Registry::default();
+        let c: Counter = Counter::default();
+        c.inc();
+        registry.register("test_things", "Things", c);
+        let app = router(ready, Arc::new(registry)).merge(healthz_alias());
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(l, app, limits, stop.clone().cancelled_owned()));
+        (addr, stop)
+    }
+
+    /// Reads until the server closes the connection (or `within` passes: then None).
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Option<Vec<u8>> {
+        let mut buf = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut buf))
+            .await
+            .ok()
+            .map(|_| buf)
+    }
+
+    /// GET `path` on a new connection; the whole answer, once the server has closed it.
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let answer = closed_within(&mut s, Duration::from_secs(5))
+            .await
+            .expect("the connection closed after the answer");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    #[tokio::test]
+    async fn readyz_follows_the_readiness_handle_and_livez_always_answers() {
+        let flag = ReadyFlag::default();
+        let (addr, _stop) = admin(Limits::default(), flag.readiness()).await;
+        let answer = get(addr, "/readyz").await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.ends_with("not ready"), "{answer}");
+        flag.set(true);
+        let answer = get(addr, "/readyz").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        flag.set(false);
+        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 503"));
+        for path in ["/livez", "/healthz"] {
+            let answer = get(addr, path).await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+        }
+        assert!(get(addr, "/nothing").await.starts_with("HTTP/1.1 404"));
+    }
+
+    #[tokio::test]
+    async fn a_readiness_closure_gives_its_reason() {
+        let ready = Readiness::from_fn(|| Err("lease cache not synced"));
+        let (addr, _stop) = admin(Limits::default(), ready).await;
+        let answer = get(addr, "/readyz").await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.ends_with("lease cache not synced"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn metrics_are_openmetrics_text() {
+        let (addr, _stop) = admin(Limits::default(), ReadyFlag::default().readiness()).await;
+        let answer = get(addr, "/metrics").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let wanted = format!("content-type: {OPENMETRICS_CONTENT_TYPE}\r\n");
+        assert!(answer.to_lowercase().contains(&wanted), "{answer}");
+        assert!(answer.contains("test_things_total 1"), "{answer}");
+        assert!(answer.ends_with("# EOF\n"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn idle_and_surplus_connections_are_closed_and_stop_ends_the_server() {
+        let limits = Limits {
+            max_connections: 1,
+            header_timeout: Duration::from_millis(300),
+            request_timeout: Duration::from_secs(5),
+        };
+        let (addr, stop) = admin(limits, ReadyFlag::default().readiness()).await;
+        // A client that never sends its headers holds the one slot until the header timeout.
+        let mut idle = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut surplus = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let closed = closed_within(&mut surplus, Duration::from_secs(2)).await;
+        assert_eq!(
+            closed,
+            Some(Vec::new()),
+            "the surplus connection is closed unanswered"
+        );
+        let started = Instant::now();
+        assert!(closed_within(&mut idle, Duration::from_secs(3))
+            .await
+            .is_some());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "closed by the header timeout"
+        );
+        // The slot is free again.
+        assert!(get(addr, "/livez").await.starts_with("HTTP/1.1 200"));
+        stop.cancel();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let refused = tokio::net::TcpStream::connect(addr).await;
+        assert!(refused.is_err(), "the listener is closed once stopped");
+    }
+}

@@ -1,0 +1,148 @@
+//! What every long-running role starts with: the Kubernetes client, a shutdown token that
+//! SIGTERM or SIGINT cancels, and the elector as a task that releases the lease when told to.
+//!
+//! The elector has a stop of its own, not the shutdown token: a role first stops its work (the
+//! command, the reconciler, the servers), then the elector, so that the lease is released only
+//! once nothing acts on it any more.
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::lease::elector::Elector;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("connecting to Kubernetes (set KUBECONFIG or run in a pod): {0}")]
+    Client(#[source] kube::Error),
+    #[error("installing the {signal} handler: {source}")]
+    Signal {
+        signal: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// The Kubernetes client from the kubeconfig (`$KUBECONFIG`) or the pod's service account.
+pub async fn client() -> Result<kube::Client, RuntimeError> {
+    kube::Client::try_default()
+        .await
+        .map_err(RuntimeError::Client)
+}
+
+/// The client and the shutdown token of a running role.
+#[derive(Clone)]
+pub struct Runtime {
+    client: kube::Client,
+    shutdown: CancellationToken,
+}
+
+impl Runtime {
+    /// Installs the signal handlers (first, so that a SIGTERM during start-up is not lost and
+    /// does not kill the process), then connects to Kubernetes.
+    pub async fn start() -> Result<Runtime, RuntimeError> {
+        let shutdown = CancellationToken::new();
+        cancel_on_signals(shutdown.clone())?;
+        let client = client().await?;
+        Ok(Runtime { client, shutdown })
+    }
+
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    /// Cancelled on SIGTERM or SIGINT; a role may cancel it itself to stop.
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    /// Runs `elector` on a task until [`ElectorTask::stop`].
+    pub fn spawn_elector(&self, elector: Elector) -> ElectorTask {
+        ElectorTask::spawn(elector)
+    }
+}
+
+/// Cancels `token` on the first SIGTERM or SIGINT. The handlers are installed before this
+/// returns; the waiting goes on in a task.
+pub fn cancel_on_signals(token: CancellationToken) -> Result<JoinHandle<()>, RuntimeError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let installed = |kind, signal_name| {
+        signal(kind).map_err(|source| RuntimeError::Signal {
+            signal: signal_name,
+            source,
+        })
+    };
+    let mut term = installed(SignalKind::terminate(), "SIGTERM")?;
+    let mut int = installed(SignalKind::interrupt(), "SIGINT")?;
+    Ok(tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: shutting down"),
+            _ = int.recv() => info!("interrupted: shutting down"),
+            () = token.cancelled() => return,
+        }
+        token.cancel();
+    }))
+}
+
+/// The elector running on a task of its own, and its stop.
+pub struct ElectorTask {
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), crate::lease::elector::Error>>,
+}
+
+impl ElectorTask {
+    fn spawn(elector: Elector) -> ElectorTask {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(elector.run(stop.clone().cancelled_owned()));
+        ElectorTask { stop, task }
+    }
+
+    /// Stops the elector (it releases the lease if it holds it) and waits for it; the error
+    /// it ended with, if any.
+    pub async fn stop(self) -> Option<anyhow::Error> {
+        self.stop.cancel();
+        match self.task.await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(anyhow::Error::from(e)),
+            Err(e) => Some(anyhow::Error::from(e).context("the elector task failed")),
+        }
+    }
+
+    /// [`ElectorTask::stop`], logging the error as a warning.
+    pub async fn stop_and_warn(self) {
+        if let Some(e) = self.stop().await {
+            warn!(error = %format!("{e:#}"), "the elector ended with an error");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn sigterm_cancels_the_shutdown_token() {
+        let token = CancellationToken::new();
+        let waiter = cancel_on_signals(token.clone()).expect("handlers");
+        assert!(!token.is_cancelled());
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGTERM).expect("raise");
+        tokio::time::timeout(Duration::from_secs(5), token.cancelled())
+            .await
+            .expect("cancelled by SIGTERM");
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter ends")
+            .expect("the waiter does not panic");
+    }
+
+    #[tokio::test]
+    async fn cancelling_the_token_ends_the_signal_waiter() {
+        let token = CancellationToken::new();
+        let waiter = cancel_on_signals(token.clone()).expect("handlers");
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter ends without a signal")
+            .expect("the waiter does not panic");
+    }
+}
