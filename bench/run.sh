@@ -26,6 +26,9 @@
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
 #   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
 #                      added latency per write (direct vs through the proxy, same run)
+#   many-leases        N leases renewing with 2 candidates each (1,000; quick: 20), fencedlease's
+#                      electors beside client-go's in one process each: the API server's lease
+#                      requests/s, its CPU and RSS, renewal lateness (not on 1.20.2: skipped)
 #
 # --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
@@ -71,7 +74,7 @@ for a in "$@"; do
   esac
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited apiload webhook-server
-  webhook-apiserver policy-apiserver policy-scale controller-scale footprint)
+  webhook-apiserver policy-apiserver policy-scale controller-scale footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -131,12 +134,20 @@ for line in open(sys.argv[1]):
 }
 LOADER=$(bench_exe webhook_load)
 DECISION=$(bench_exe webhook_decision)
-[ -n "$LOADER" ] && [ -n "$DECISION" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
+MANY=$(bench_exe many_leases)
+[ -n "$LOADER" ] && [ -n "$DECISION" ] && [ -n "$MANY" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
 cp "$DECISION" "$FL_BENCH_CACHE/webhook_decision"
 cp "$LOADER" "$FL_BENCH_CACHE/webhook_load"
+cp "$MANY" "$FL_BENCH_CACHE/many_leases"
 # The peer: client-go's leader-election example of the same release (bench/build-peer.sh).
 FL_BENCH_PEER="$("$HERE/build-peer.sh" "$BENCH_K8S")"
 export FL_BENCH_PEER FL_BENCH_PEER_VERSION="$BENCH_K8S"
+# many-leases' client-go side: N×C LeaderElectors in one process (bench/build-many-peer.sh), on
+# releases whose client-go is a published module (not 1.20.2).
+MANY_PEER=""
+if [[ " ${NAMES[*]} " == *" many-leases "* ]] && [ "$BENCH_K8S" != "$FL_K8S_LEGACY_VERSION" ]; then
+  MANY_PEER="$("$HERE/build-many-peer.sh" "$BENCH_K8S")"
+fi
 # The benchmarks' kube-apiserver: the tests' one of that release with finer admission latency
 # buckets, so that the webhook-apiserver benchmark can read the API server's own timing of each
 # webhook call (bench/build-apiserver.sh says what differs: nothing else).
@@ -208,6 +219,7 @@ if [ "$MODE" = full ]; then
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
   FOOT=(--sidecars 3 --lease 15 --warmup 20 --window 120 --writes 2000 --writes-warmup 50)
+  MANYL=(--n 1000 --candidates 2 --lease 15 --window 60 --baseline 20)
 else
   CRIT=(--warm-up-time 0.1 --measurement-time 0.3 --sample-size 10 --nresamples 1000)
   FAIL=(--lease 3 --lanes 1 --trials 2)
@@ -221,6 +233,7 @@ else
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2)
   FOOT=(--sidecars 2 --lease 3 --warmup 2 --window 3 --writes 30 --writes-warmup 5)
+  MANYL=(--n 20 --candidates 2 --lease 6 --window 8 --baseline 3)
 fi
 
 FAILED=()
@@ -259,6 +272,13 @@ for n in "${NAMES[@]}"; do
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
     footprint) bench "$n" python3 footprint.py "${FOOT[@]}" --out "$OUT" ;;
+    many-leases)
+      if [ -n "$MANY_PEER" ]; then
+        bench "$n" python3 many_leases.py "${MANYL[@]}" --ours "$FL_BENCH_CACHE/many_leases" --peer "$MANY_PEER" --out "$OUT"
+      else
+        log "== many-leases: skipped on v$BENCH_K8S (its client-go is built from Debian's tree, not a module)"
+        echo '{"benchmark": "many-leases", "skipped": "client-go of this release is not a published module here"}' >"$OUT/many-leases.json"
+      fi ;;
   esac
 done
 
