@@ -18,7 +18,7 @@ use tokio::time::{sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::lease::elector::{Elector, ElectorConfig, LeaderState};
+use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
 /// The longest `--grace-seconds` accepted (the longest lease is an hour as well).
@@ -36,7 +36,8 @@ pub struct CampaignArgs {
     #[arg(long, env = "FENCEDLEASE_IDENTITY")]
     pub identity: Option<String>,
     /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(i32).range(1..=3600))]
+    #[arg(long, default_value_t = crate::api::DEFAULT_LEASE_DURATION_SECONDS,
+          value_parser = crate::runtime::lease_duration_parser())]
     pub lease_duration: i32,
     /// Seconds (0 to 3600) the command gets between SIGTERM and SIGKILL when it must stop.
     /// The command runs in a session of its own, and SIGKILL goes to its whole process tree
@@ -315,17 +316,8 @@ pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
         None => None,
     };
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) = Elector::new(
-        rt.client().clone(),
-        ElectorConfig {
-            namespace: args.namespace.clone(),
-            lease: args.lease.clone(),
-            identity: identity.clone(),
-            create_with_duration: Some(args.lease_duration),
-            create_owner: None,
-            timing_override: None,
-        },
-    )?;
+    let (elector, handle) =
+        rt.candidate(&args.namespace, &args.lease, &identity, args.lease_duration)?;
     let elector = rt.spawn_elector(elector);
     let log = EventLog {
         file,

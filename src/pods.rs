@@ -21,9 +21,9 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::runtime::watcher::Event;
 
+use crate::api::SIDECAR_CONTAINER as CONTAINER;
 use crate::api::{CAMPAIGN_CONTAINER_ANNOTATION, LEASE_ANNOTATION, ROLE_LABEL};
 use crate::holder::{Campaigner, Finished, HolderPod, PodState};
-use crate::webhook::inject::CONTAINER;
 
 /// The value of [`ROLE_LABEL`] on the holder's pod.
 pub const LEADER_ROLE: &str = "leader";

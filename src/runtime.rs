@@ -9,7 +9,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::lease::elector::Elector;
+use crate::api::{MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS};
+use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -55,10 +56,30 @@ impl Runtime {
         &self.shutdown
     }
 
+    /// A candidate for the FencedLease `lease` in `namespace` as `identity`, which creates the
+    /// lease with `create_with_duration` seconds if it does not exist (campaign and sidecar).
+    pub fn candidate(
+        &self,
+        namespace: &str,
+        lease: &str,
+        identity: &str,
+        create_with_duration: i32,
+    ) -> Result<(Elector, ElectorHandle), crate::lease::elector::Error> {
+        let mut cfg = ElectorConfig::new(namespace, lease, identity);
+        cfg.create_with_duration = Some(create_with_duration);
+        Elector::new(self.client.clone(), cfg)
+    }
+
     /// Runs `elector` on a task until [`ElectorTask::stop`].
     pub fn spawn_elector(&self, elector: Elector) -> ElectorTask {
         ElectorTask::spawn(elector)
     }
+}
+
+/// The parser of every `--lease-duration` flag: whole seconds within the CRD's bounds.
+pub fn lease_duration_parser() -> clap::builder::RangedI64ValueParser<i32> {
+    clap::value_parser!(i32)
+        .range(i64::from(MIN_LEASE_DURATION_SECONDS)..=i64::from(MAX_LEASE_DURATION_SECONDS))
 }
 
 /// Cancels `token` on the first SIGTERM or SIGINT. The handlers are installed before this

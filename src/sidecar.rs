@@ -25,14 +25,14 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, LeaderState};
+use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
 
+/// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
+pub use crate::api::SIDECAR_PORT as DEFAULT_PORT;
 /// The default folder of the token files (`--token-dir`); the injector mounts the token
 /// volume there.
-pub const TOKEN_DIR: &str = "/var/run/fencedlease";
-/// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
-pub const DEFAULT_PORT: u16 = 8787;
+pub use crate::api::TOKEN_DIR;
 
 #[derive(Debug, clap::Args)]
 pub struct SidecarArgs {
@@ -52,9 +52,7 @@ pub struct SidecarArgs {
     /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
     #[arg(long, env = "FENCEDLEASE_LEASE_DURATION",
           default_value_t = crate::api::DEFAULT_LEASE_DURATION_SECONDS,
-          value_parser = clap::value_parser!(i32).range(
-              i64::from(crate::api::MIN_LEASE_DURATION_SECONDS)
-                  ..=i64::from(crate::api::MAX_LEASE_DURATION_SECONDS)))]
+          value_parser = crate::runtime::lease_duration_parser())]
     pub lease_duration: i32,
     /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
     /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.
@@ -468,17 +466,8 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
         .clone()
         .unwrap_or_else(crate::identity::default_identity);
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) = Elector::new(
-        rt.client().clone(),
-        ElectorConfig {
-            namespace: args.namespace.clone(),
-            lease: args.lease.clone(),
-            identity: identity.clone(),
-            create_with_duration: Some(args.lease_duration),
-            create_owner: None,
-            timing_override: None,
-        },
-    )?;
+    let (elector, handle) =
+        rt.candidate(&args.namespace, &args.lease, &identity, args.lease_duration)?;
     let (shared, gauges) = shared_state(&args, identity, &handle);
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);

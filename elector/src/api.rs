@@ -71,6 +71,26 @@ pub const POLICY_LABEL: &str = key!("policy");
 pub const NOT_AFTER_ANNOTATION: &str = key!("not-after");
 /// Annotation on the webhook's certificate Secret: the host names its certificate is for.
 pub const HOSTS_ANNOTATION: &str = key!("hosts");
+
+/// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+}
+
+// What an app can rely on in an injected pod.
+
+/// The name of the injected sidecar container (and the default campaigning container, see
+/// [`CAMPAIGN_CONTAINER_ANNOTATION`]).
+pub const SIDECAR_CONTAINER: &str = "fencedlease";
+/// The sidecar's default loopback API port (`http://127.0.0.1:8787`).
+pub const SIDECAR_PORT: u16 = 8787;
+/// The folder of the token files (`token`, `lease-uid`) in an injected pod's containers.
+pub const TOKEN_DIR: &str = "/var/run/fencedlease";
 /// The field manager of the controller's writes (server-side apply, status patches), also its
 /// `app.kubernetes.io/managed-by` value on what it creates.
 pub const FIELD_MANAGER: &str = "fencedlease-controller";

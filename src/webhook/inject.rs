@@ -12,9 +12,9 @@ use serde_json::{json, Value};
 use super::admission::OurKeys;
 
 use crate::api::{
-    DEFAULT_LEASE_DURATION_SECONDS, DURATION_ANNOTATION, HEALTH_ANNOTATION, INJECT_ANNOTATION,
-    LEASE_ANNOTATION, MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS, PORT_ANNOTATION,
-    PROXY_ANNOTATION, READY_ANNOTATION, RESOURCE_ANNOTATIONS,
+    valid_name, DEFAULT_LEASE_DURATION_SECONDS, DURATION_ANNOTATION, HEALTH_ANNOTATION,
+    INJECT_ANNOTATION, LEASE_ANNOTATION, MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS,
+    PORT_ANNOTATION, PROXY_ANNOTATION, READY_ANNOTATION, RESOURCE_ANNOTATIONS,
 };
 
 /// Why a pod is refused injection. Each message is for the pod's author: what is wrong and what
@@ -97,10 +97,10 @@ pub const MAX_SIDECAR_PORT: u16 = 65533;
 /// which the chart's PodMonitor scrapes.
 pub const PROBE_PORT_NAME: &str = "fencedlease";
 /// Name of the injected container and of the token volume.
-pub const CONTAINER: &str = "fencedlease";
+pub use crate::api::SIDECAR_CONTAINER as CONTAINER;
 pub const VOLUME: &str = "fencedlease-token";
 /// The sidecar's defaults, which the injected container relies on.
-pub use crate::sidecar::{DEFAULT_PORT, TOKEN_DIR};
+pub use crate::api::{SIDECAR_PORT as DEFAULT_PORT, TOKEN_DIR};
 
 /// How to build the sidecar container.
 #[derive(Clone, Debug)]
@@ -401,16 +401,6 @@ pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), InjectError
         Some(true) => Err(InjectError::HostNetwork),
         _ => Ok(()),
     }
-}
-
-/// Is this a valid Kubernetes object name (DNS-1123 subdomain)?
-pub fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-        && s.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && s.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
 
 /// The pod's injection options, read from its annotations.

@@ -308,8 +308,8 @@ readinessProbe:
 {{- end -}}
 
 {{/*
-The labels and annotations the webhooks read, as src/fencing.rs and src/webhook/inject.rs name
-them (tests/chart.rs checks they agree).
+The labels and annotations the webhooks read, as the keys in elector/src/api.rs name them
+(tests/webhook_match_conditions.rs checks that the rendered ones agree).
 */}}
 {{- define "fencedlease.leaseKey" -}}fencedlease.io/lease{{- end -}}
 {{- define "fencedlease.injectKey" -}}fencedlease.io/inject{{- end -}}

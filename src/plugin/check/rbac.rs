@@ -13,8 +13,7 @@ use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 
 use super::Finding;
-use crate::api::{INJECT_ANNOTATION, LEASE_ANNOTATION};
-use crate::webhook::inject::valid_name;
+use crate::api::{valid_name, INJECT_ANNOTATION, LEASE_ANNOTATION};
 
 /// At most this many (ServiceAccount, lease) pairs are asked about, five reviews each; the
 /// report says how many more there were.
