@@ -1,7 +1,8 @@
 """Many live leases (issue 21): N leases renewing with a 15 s lease and C candidates each, for
 fencedlease (its electors: one watch per candidate, the holder renews a third of the way in)
 beside client-go (its LeaderElectors: every candidate polls every retry period, the holder
-renews then too), one system after the other in the same run, on the same API server.
+renews then too), and client-go tuned for speed (a 500 ms retry period: what its polling costs
+in requests), one system after the other in the same run, on the same API server.
 
 Each system's candidates run in one process, so that N×C of them fit on this machine:
 `benches/many_leases.rs` (fencedlease's elector library) and `bench/many_peer/main.go`
@@ -35,7 +36,9 @@ from pathlib import Path
 import lib
 from lib import Kube, log, now_ns, stats, step
 
-OURS, PEER = "fencedlease", "client-go"
+OURS, PEER, FAST = "fencedlease", "client-go", "client-go-500ms"
+# client-go tuned for speed (issue 21): a 500 ms retry period, to show what its polling costs.
+FAST_RETRY_S = 0.5
 RENEW_SHARE = 3  # fencedlease renews a third of the way into the lease
 
 
@@ -133,12 +136,16 @@ class Renewals(threading.Thread):
         return late, changes
 
 
+def retry_of(system: str, args) -> float:
+    return FAST_RETRY_S if system == FAST else args.retry
+
+
 def candidates_cmd(system: str, args, ns: str) -> list[str]:
     if system == OURS:
         return [str(args.ours), "--namespace", ns, "--leases", str(args.n), "--candidates", str(args.candidates)]
     return [str(args.peer), "-kubeconfig", str(lib.kubeconfig()), "-namespace", ns, "-leases", str(args.n),
             "-candidates", str(args.candidates), "-lease-duration", f"{args.lease}s",
-            "-renew-deadline", f"{args.lease * 2 // 3}s", "-retry-period", f"{args.retry}s"]
+            "-renew-deadline", f"{args.lease * 2 // 3}s", "-retry-period", f"{retry_of(system, args)}s"]
 
 
 def held(kube: Kube, system: str, ns: str) -> int:
@@ -155,6 +162,8 @@ def baseline(kube: Kube, seconds: float) -> dict[str, float]:
 
 
 def one_system(system: str, args, kube: Kube, work: Path, base: dict[str, float]) -> dict:
+    if system == FAST:  # its own size: at 2.4 requests/s per lease, 1,000 would swamp 2 cores
+        args = argparse.Namespace(**{**vars(args), "n": args.fast_n or args.n})
     ns = f"many-{system.replace('-', '')}-{lib.rand_suffix()}"
     kube.create_namespace(ns)
     names = [f"lease-{i}" for i in range(args.n)]
@@ -206,10 +215,10 @@ def measure(system: str, args, kube: Kube, ns: str, p: lib.Proc, base: dict[str,
     r1 = lease_requests(kube, system)
     for verb in ("LIST", "WATCH"):  # the harness's own list and watch of the window
         r1[verb] = r1.get(verb, 0) - 1
-    period = args.lease / RENEW_SHARE if system == OURS else args.retry
+    period = args.lease / RENEW_SHARE if system == OURS else retry_of(system, args)
     late, changes = watch.lateness_ms(period)
     own = {v: (r1.get(v, 0) - r0.get(v, 0)) / el for v in r1}
-    if system == PEER:  # less the controller-manager's own lease traffic
+    if system != OURS:  # less the controller-manager's own lease traffic
         own = {v: max(0.0, r - base.get(v, 0)) for v, r in own.items()}
     own = {v: round(r, 2) for v, r in own.items() if r > 0.005}
     total = round(sum(own.values()), 2)
@@ -233,6 +242,9 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=2, help="candidates per lease")
     ap.add_argument("--lease", type=int, default=15, help="lease duration, seconds")
     ap.add_argument("--retry", type=float, default=2.0, help="client-go's retry period, seconds")
+    ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"also client-go with a {FAST_RETRY_S} s retry period")
+    ap.add_argument("--fast-n", type=int, default=None, help="leases for that one (default: --n)")
     ap.add_argument("--window", type=float, default=60.0, help="measured seconds")
     ap.add_argument("--baseline", type=float, default=20.0, help="seconds of the no-candidates baseline")
     ap.add_argument("--ours", type=Path, default=lib.CACHE / "many_leases")
@@ -248,7 +260,7 @@ def main() -> None:
     step(f"baseline: lease requests with no candidates, {args.baseline} s")
     base = baseline(kube, args.baseline)
     res = {"baseline_requests_per_s": {v: round(r, 3) for v, r in base.items() if r > 0}}
-    for system in (OURS, PEER):
+    for system in (OURS, PEER, *([FAST] if args.fast else [])):
         res[system] = one_system(system, args, kube, work, base)
     ours, peer = res[OURS]["requests_per_s"], res[PEER]["requests_per_s"]
     res["ours_share_of_peer_requests"] = round(ours / peer, 4) if peer else None

@@ -477,8 +477,10 @@ def main() -> None:
                   "etcd CPU s/s | candidates CPU s/s | candidates RSS MiB | renewal lateness p50 / p99 / max ms | "
                   "holder changes |\n|---|---|---|---|---|---|---|---|---|---|---|")
         rows = {}
-        for s in (OURS, PEER):
-            r = d[s]
+        for s in (OURS, PEER, "client-go-500ms"):
+            r = d.get(s)
+            if not r:
+                continue
             la, cpu, rss = r["lateness_ms"], r["cpu_s_per_s"], r["rss_mib_median"]
             verbs = ", ".join(f"{v} {x}" for v, x in sorted(r["requests_per_s_by_verb"].items()))
             md.append(f"| {s} | {r['requests_per_s']:.1f} | {r['requests_per_s_per_lease']:.3f} | {verbs} | "
