@@ -44,15 +44,6 @@ healthy() {
     "https://127.0.0.1:$API_PORT/readyz" >/dev/null 2>&1
 }
 
-stop_pid() { # NAME PID
-  local name="$1" pid="$2"
-  kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-  log "$name (pid $pid) did not stop within 10 s: SIGKILL"
-  kill -KILL "$pid" 2>/dev/null || true
-}
-
 down() {
   local any=0
   for c in "${COMPONENTS[@]}"; do

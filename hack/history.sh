@@ -64,8 +64,8 @@ hack/cluster.sh up
 bin="${FL_HISTORY_BIN:-}"
 if [ -z "$bin" ]; then
   log "building fencedlease"
-  cargo build --quiet
-  bin="$FL_REPO/target/debug/fencedlease"
+  with_build_lock cargo build --quiet
+  bin="${CARGO_TARGET_DIR:-$FL_REPO/target}/debug/fencedlease"
 fi
 log "history run: ${duration} s of faults, seed $seed${unfenced:+, UNFENCED}, output in $out"
 python3 hack/history/run.py --bin "$bin" \

@@ -38,6 +38,17 @@ with_heartbeat() {
 # alive PID: the process exists and is not a zombie waiting for its parent to reap it.
 alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
 
+# stop_pid NAME PID: SIGTERM, up to 10 s to exit, then SIGKILL and up to 5 s more.
+stop_pid() {
+  local name="$1" pid="$2"
+  alive "$pid" || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do alive "$pid" || return 0; sleep 0.1; done
+  log "$name (pid $pid) did not stop within 10 s: SIGKILL"
+  kill -KILL "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do alive "$pid" || return 0; sleep 0.1; done
+}
+
 # wait_for LABEL TIMEOUT_S LOGFILE PIDFILE HINT CMD...: wait until CMD succeeds (tried every
 # 0.5 s, its output discarded), with a progress line every 10 s. It fails, showing LOGFILE's tail
 # and saying what to do (HINT, e.g. "hack/cluster.sh down && hack/cluster.sh up"), when TIMEOUT_S

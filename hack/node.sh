@@ -127,16 +127,6 @@ healthy() {
   ip link show "$BRIDGE" >/dev/null 2>&1 && control_plane_up && node_ready
 }
 
-stop_pid() { # NAME PID
-  local name="$1" pid="$2"
-  alive "$pid" || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do alive "$pid" || return 0; sleep 0.1; done
-  log "$name (pid $pid) did not stop within 10 s: SIGKILL"
-  kill -KILL "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do alive "$pid" || return 0; sleep 0.1; done
-}
-
 # Processes of ours whose pid file is gone (a crashed run): their command line names $NODE/.
 strays() { # COMM...
   local pid comm
