@@ -15,8 +15,12 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
 pub mod apiproxy;
+pub mod containerd;
 pub mod fencing;
+pub mod handover;
 pub mod helm;
+pub mod node;
+pub mod operator;
 pub mod policy;
 pub mod procs;
 pub mod sidecars;
