@@ -26,14 +26,14 @@
 #     valid for 10.0.0.1. There is no kube-proxy: other Service IPs do not work from pods.
 #     Service-account tokens are mounted the ordinary way (cluster.sh runs the ServiceAccount
 #     admission plugin and the controller-manager's token controller).
-#   * hostNetwork pods (not exercised by tests/node.rs) share the host's network: they would
+#   * hostNetwork pods (not exercised by tests/node_*.rs) share the host's network: they would
 #     have to set KUBERNETES_SERVICE_HOST=127.0.0.1 and KUBERNETES_SERVICE_PORT=<API server port>
 #     themselves (the NAT rule does not apply to the host's own traffic, on purpose: the
 #     default cluster uses the same Service IP). Prefer the pod network.
 #   * The API server reaches a webhook Service only by dialing the Service's endpoint (the pod
 #     IP, routed over our bridge): cluster.sh runs kube-apiserver with
 #     --enable-aggregator-routing=true (without it, the API server dials the ClusterIP, which
-#     nothing serves here). tests/node.rs installs the Helm chart and checks both webhooks
+#     nothing serves here). tests/node_chart.rs installs the Helm chart and checks both webhooks
 #     through the Service.
 #   * The kubelet listens on 127.0.0.1 only; the API server dials the node's address, so
 #     `kubectl logs/exec` do not work. Read /var/log/pods instead.
@@ -47,7 +47,7 @@
 #
 # For tests: the Node object carries the annotation fencedlease.io/containerd-socket (this
 # node's containerd socket, for `ctr --address ... --namespace k8s.io tasks pause|resume`, which
-# tests/node.rs uses to freeze a pod), and the pause image ($PAUSE_IMAGE below) doubles as a
+# tests/node_frozen.rs uses to freeze a pod), and the pause image ($PAUSE_IMAGE below) doubles as a
 # do-nothing app container in test pods.
 #
 # Versions: the node runs the kubelet and kube-scheduler of $FL_K8S_VERSION (as cluster.sh), which
@@ -70,7 +70,7 @@
 #   * The pause image is built from the pause.c of the same release (the 1.20.2 source tree, or
 #     the k8s.io/kubernetes module that hack/k8s-binaries.sh downloaded).
 #   * Native sidecars (restartable init containers) run on the 1.37 kubelet: the injected sidecar
-#     starts before the app and stops after it (tests/node.rs checks both).
+#     starts before the app and stops after it (tests/node_injection.rs checks both).
 #
 # Variables: FENCEDLEASE_CLUSTER_DIR, FL_APISERVER_PORT (as for cluster.sh); FL_NODE_NAME (default:
 # the host name), FL_NODE_BRIDGE (flnode0), FL_NODE_SUBNET (10.213.0, a /24), FL_KUBELET_PORT

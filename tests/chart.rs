@@ -10,13 +10,12 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::helm::{
-    chart, chart_dir, denied, eventually_allowed, extra_writes, helm, helm_ok, objects_of_release,
-    Release,
+    chart, chart_dir, denied, eventually_allowed, extra_writes, helm, helm_ok, Release,
 };
-use common::{client, ensure_crd, kubectl, TestNamespace};
+use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use serde_json::Value;
 
 const CRD_FILE: &str = "crds/fencedleases.fencedlease.io.yaml";
@@ -1141,56 +1140,25 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
 
     // Everything labelled with the release goes (ReplicaSets and pods through the garbage
     // collector, hence the wait), the CRD stays.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        // Objects already being deleted (deletionTimestamp set) count as gone: on a cluster with
-        // a node, kubelet may take a while to finish a pod's deletion after uninstall.
-        let left: Vec<String> = objects_of_release(&release.name)
-            .into_iter()
-            .filter(|(_, deleting)| !deleting)
-            .map(|(name, _)| name)
-            .collect();
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "helm uninstall left objects of release {} behind: {left:?}",
+    eventually(
+        Duration::from_secs(90),
+        &format!(
+            "helm uninstall to remove every object of release {}",
             release.name
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    for (kind, name) in [
-        ("clusterrole", release.sidecar_role()),
-        ("clusterrole", full.clone()),
-        ("clusterrolebinding", full.clone()),
-        ("clusterrole", webhook.clone()),
-        ("clusterrolebinding", webhook.clone()),
-        ("validatingwebhookconfiguration", vwc.clone()),
-        ("mutatingwebhookconfiguration", mwc.clone()),
-    ] {
-        let (ok, out, err) = kubectl(&["get", kind, &name, "--ignore-not-found", "-o", "name"]);
-        assert!(
-            ok && out.trim().is_empty(),
-            "{kind}/{name} is still there: {out}{err}"
-        );
-    }
-    let (ok, out, err) = kubectl(&[
-        "get",
-        "secrets",
-        "-n",
-        &ns.name,
-        "-l",
-        &format!("owner=helm,name={}", release.name),
-        "-o",
-        "name",
-    ]);
-    assert!(
-        ok && out.trim().is_empty(),
-        "helm's release records remain: {out}{err}"
-    );
-    let (ok, _, err) = kubectl(&["get", "crd", "fencedleases.fencedlease.io"]);
-    assert!(ok, "the CRD must stay after uninstall: {err}");
+        ),
+        || async {
+            // Objects already being deleted (deletionTimestamp set) count as gone: on a cluster
+            // with a node, kubelet may take a while to finish a pod's deletion after uninstall.
+            let left = release.left_behind(true);
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("left behind: {left:?}"))
+            }
+        },
+    )
+    .await;
+    release.assert_uninstalled_cleanly();
 }
 
 #[tokio::test]

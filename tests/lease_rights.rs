@@ -14,11 +14,11 @@ mod common;
 use std::collections::BTreeSet;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::helm::{denied, eventually_allowed, extra_writes, spawn_as, Release};
 use common::procs::{scratch_dir, Proc};
-use common::{client, ensure_crd, kubectl, TestNamespace};
+use common::{client, ensure_crd, kubectl, try_eventually, TestNamespace};
 use serde_json::{json, Value};
 
 const LEASES: &str = "fencedleases.fencedlease.io";
@@ -208,16 +208,14 @@ fn campaign_as(dir: &Path, ns: &str, who: &str, lease: &str) -> (Proc, PathBuf) 
 
 /// Waits up to `timeout` for the campaign's command to have run; returns the token it got.
 async fn token_within(token_file: &Path, timeout: Duration) -> Option<String> {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if let Ok(t) = std::fs::read_to_string(token_file) {
-            if !t.trim().is_empty() {
-                return Some(t.trim().to_string());
-            }
+    try_eventually(timeout, || async {
+        match std::fs::read_to_string(token_file) {
+            Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_string()),
+            _ => Err(()),
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    None
+    })
+    .await
+    .ok()
 }
 
 /// Exactly the writes `check` expects, as `kubectl auth can-i --list` shows them.

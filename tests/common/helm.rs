@@ -1,5 +1,5 @@
 //! helm for the chart tests (tests/chart.rs, tests/lease_rights.rs) and the node tests
-//! (tests/node.rs): the binary from `hack/helm.sh`, a release of the chart that keeps to its
+//! (tests/node_*.rs): the binary from `hack/helm.sh`, a release of the chart that keeps to its
 //! test's namespace, and checks of the rights it grants by impersonation.
 
 use std::collections::BTreeSet;
@@ -188,6 +188,65 @@ impl Release {
     pub fn uninstall(&mut self) {
         helm_ok(&["uninstall", &self.name, "--namespace", &self.namespace]);
         self.uninstalled = true;
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Uninstalled cleanly: what `helm uninstall` must leave behind (nothing but the CRD)
+
+    /// What of the release is still in the cluster: objects of any kind with its instance label,
+    /// as "kind/name". With `deleting_is_gone`, those already being deleted (deletionTimestamp
+    /// set) count as gone. Namespaced ones go through the garbage collector after an uninstall,
+    /// so callers wait for this to be empty.
+    pub fn left_behind(&self, deleting_is_gone: bool) -> Vec<String> {
+        objects_of_release(&self.name)
+            .into_iter()
+            .filter(|(_, deleting)| !(deleting_is_gone && *deleting))
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    /// The release's cluster-scoped objects, (kind, name): nothing namespaced owns them, so
+    /// `helm uninstall` itself must remove them.
+    pub fn cluster_scoped(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("clusterrole", self.sidecar_role()),
+            ("clusterrole", self.fullname()),
+            ("clusterrolebinding", self.fullname()),
+            ("clusterrole", self.webhook()),
+            ("clusterrolebinding", self.webhook()),
+            ("validatingwebhookconfiguration", self.validating()),
+            ("mutatingwebhookconfiguration", self.mutating()),
+        ]
+    }
+
+    /// The checks after `helm uninstall` that need no waiting: none of the release's
+    /// [`cluster_scoped`](Self::cluster_scoped) objects (no webhook configurations, no cluster
+    /// roles) is left, nor helm's records of the release; the CRD stays. (Wait for
+    /// [`left_behind`](Self::left_behind) to be empty first.)
+    pub fn assert_uninstalled_cleanly(&self) {
+        for (kind, name) in self.cluster_scoped() {
+            let (ok, out, err) = kubectl(&["get", kind, &name, "--ignore-not-found", "-o", "name"]);
+            assert!(
+                ok && out.trim().is_empty(),
+                "{kind}/{name} is still there: {out}{err}"
+            );
+        }
+        let (ok, out, err) = kubectl(&[
+            "get",
+            "secrets",
+            "-n",
+            &self.namespace,
+            "-l",
+            &format!("owner=helm,name={}", self.name),
+            "-o",
+            "name",
+        ]);
+        assert!(
+            ok && out.trim().is_empty(),
+            "helm's release records remain: {out}{err}"
+        );
+        let (ok, _, err) = kubectl(&["get", "crd", "fencedleases.fencedlease.io"]);
+        assert!(ok, "the CRD must stay after uninstall: {err}");
     }
 }
 

@@ -15,8 +15,12 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
 pub mod apiproxy;
+pub mod containerd;
 pub mod fencing;
+pub mod handover;
 pub mod helm;
+pub mod node;
+pub mod operator;
 pub mod policy;
 pub mod procs;
 pub mod sidecars;
@@ -255,21 +259,75 @@ pub fn rand_u32() -> u32 {
     h.finish() as u32
 }
 
-/// Polls `f` every 50 ms until it returns Some, or panics after `timeout` with `what`.
-pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+/// What one look of [`eventually`] found: done with a value, or not yet. `Option` says only
+/// whether it is done; `Result` says what it saw when not (`Err(state)`), and the last state seen
+/// is in the timeout's message.
+pub trait Progress {
+    type Done;
+    /// Ok when done; else the state seen, if the look described it.
+    fn progress(self) -> Result<Self::Done, Option<String>>;
+}
+
+impl<T> Progress for Option<T> {
+    type Done = T;
+    fn progress(self) -> Result<T, Option<String>> {
+        self.ok_or(None)
+    }
+}
+
+impl<T, S: std::fmt::Display> Progress for Result<T, S> {
+    type Done = T;
+    fn progress(self) -> Result<T, Option<String>> {
+        self.map_err(|state| Some(state.to_string()))
+    }
+}
+
+/// How often [`eventually`] and [`try_eventually`] look.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Polls `f` every [`POLL_INTERVAL`] until it returns Ok; after `timeout`, the last state `f`
+/// returned in its Err (for callers that handle a timeout themselves).
+pub async fn try_eventually<T, S, F, Fut>(timeout: Duration, mut f: F) -> Result<T, S>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
+    Fut: std::future::Future<Output = Result<T, S>>,
 {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if let Some(v) = f().await {
-            return v;
-        }
+        let last = match f().await {
+            Ok(v) => return Ok(v),
+            Err(state) => state,
+        };
         if tokio::time::Instant::now() >= deadline {
-            panic!("timed out after {timeout:?} waiting for: {what}");
+            return Err(last);
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// Polls `f` every [`POLL_INTERVAL`] until it is done (`Some`, or `Ok`); after `timeout`, panics
+/// with `what` and the last state `f` described (its `Err`).
+pub async fn eventually<F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut f: F,
+) -> <Fut::Output as Progress>::Done
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future,
+    Fut::Output: Progress,
+{
+    match try_eventually(timeout, || {
+        let look = f();
+        async move { look.await.progress() }
+    })
+    .await
+    {
+        Ok(v) => v,
+        Err(None) => panic!("timed out after {timeout:?} waiting for: {what}"),
+        Err(Some(last)) => {
+            panic!("timed out after {timeout:?} waiting for: {what}\nlast state: {last}")
+        }
     }
 }
 
