@@ -82,10 +82,14 @@ async fn deleting_the_leader_pod_gives_a_new_leader_with_a_larger_token() {
 /// controller, seeing the campaigning container stopped after it acquired, revokes the lease at
 /// once, so a new token is issued before the lease could have run out. (The Event is what tells
 /// the two apart: expiry alone gave a new token 4.0 s after the kill when this test ran with
-/// `revokeOnHolderDeath: false`, inside the 5 s lease, since the last renewal came before it.)
+/// `revokeOnHolderDeath: false` and a 5 s lease, since the last renewal came before it.) The
+/// lease is 15 s, as in the benchmark of this case: the death reaches the controller only
+/// through the kubelet's status report (p99 3.55 s there), which a 5 s lease on a loaded
+/// machine sometimes outlasted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_leader_sidecar_is_revoked_before_its_lease_runs_out() {
-    let w = Injected::start("node-death").await;
+    let lease_seconds = 15;
+    let w = Injected::start_with_lease("node-death", lease_seconds).await;
     let socket = containerd_socket(&ready_node(&w.client).await);
     let (leader, _, lease) = w.steady(Duration::from_secs(120)).await;
     let (old, old_token) = (name_of(&leader), lease.token().expect("token"));
@@ -140,7 +144,7 @@ async fn a_killed_leader_sidecar_is_revoked_before_its_lease_runs_out() {
          new token came from the lease running out, not from the confirmed death"
     );
     assert!(
-        took < Duration::from_secs(LEASE_SECONDS),
-        "a new token only after {took:?}, not before the {LEASE_SECONDS} s lease ran out"
+        took < Duration::from_secs(lease_seconds),
+        "a new token only after {took:?}, not before the {lease_seconds} s lease ran out"
     );
 }

@@ -219,12 +219,19 @@ pub const LEASE_SECONDS: u64 = 5;
 /// order: the release is uninstalled before the namespace goes.
 pub struct Injected {
     pub client: Client,
+    /// The FencedLease's leaseDurationSeconds ([`LEASE_SECONDS`] unless started with another).
+    pub lease_seconds: u64,
     pub release: Release,
     pub ns: TestNamespace,
 }
 
 impl Injected {
     pub async fn start(prefix: &str) -> Injected {
+        Injected::start_with_lease(prefix, LEASE_SECONDS).await
+    }
+
+    /// [`Injected::start`] with a lease of `lease_seconds`.
+    pub async fn start_with_lease(prefix: &str, lease_seconds: u64) -> Injected {
         let client = client().await;
         ready_node(&client).await;
         ensure_crd();
@@ -237,6 +244,7 @@ impl Injected {
         wait_injection_served(&client, &ns.name).await;
         let me = Injected {
             client,
+            lease_seconds,
             release,
             ns,
         };
@@ -278,7 +286,7 @@ impl Injected {
         let lease: FencedLease = serde_json::from_value(json!({
             "apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
             "metadata": {"name": LEASE},
-            "spec": {"leaseDurationSeconds": LEASE_SECONDS}
+            "spec": {"leaseDurationSeconds": self.lease_seconds}
         }))
         .expect("lease literal");
         self.leases()
