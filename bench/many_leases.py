@@ -17,9 +17,10 @@ Each system's candidates run in one process, so that N×C of them fit on this ma
      own lease traffic measured the same way with no candidates running), per second, by verb.
      A watch counts when it ends (long-running requests are counted at their end);
    - the API server's and etcd's CPU seconds per second and RSS, and the candidates' process's;
-   - lateness: a watch of the namespace records every renewal (renewTime changes); a gap longer
-     than the renewal period (lease/3 for fencedlease, the retry period for client-go) is late
-     by the difference. Percentiles over every gap; holder changes in the window are counted
+   - lateness: a watch of the namespace records every renewal (renewTime changes); a gap
+     between two renewTimes of one holder (the holder's own clock, so the watch's delays do not
+     count) longer than the renewal period (lease/3 for fencedlease, the retry period for
+     client-go) is late by the difference. Percentiles over every gap; holder changes in the window are counted
      (each is a leadership lost without a crash).
 4. the candidates get SIGTERM; the namespace is deleted.
 """
@@ -40,6 +41,7 @@ OURS, PEER, FAST = "fencedlease", "client-go", "client-go-500ms"
 # client-go tuned for speed (issue 21): a 500 ms retry period, to show what its polling costs.
 FAST_RETRY_S = 0.5
 RENEW_SHARE = 3  # fencedlease renews a third of the way into the lease
+BREAK = None  # in a lease's list of renewals seen: the watch was opened again here
 
 
 def proc_pid(component: str) -> int | None:
@@ -90,6 +92,15 @@ def lease_requests(kube: Kube, system: str) -> dict[str, float]:
     return out
 
 
+def gap_ms(a: tuple, b: tuple) -> float:
+    """Between two renewals seen: by the renewTime each holder wrote (its own clock, so what the
+    harness's watch delays does not count), else by when the harness saw them."""
+    ra, rb = lib.parse_time_ns(a[2]), lib.parse_time_ns(b[2])
+    if ra is not None and rb is not None:
+        return (rb - ra) / 1e6
+    return (b[0] - a[0]) / 1e6
+
+
 class Renewals(threading.Thread):
     """Every renewal seen in a namespace: per lease, (arrival ns, holder, renewTime)."""
 
@@ -98,41 +109,62 @@ class Renewals(threading.Thread):
         self.system, self.ns, self.seconds = system, ns, seconds
         self.seen: dict[str, list[tuple[int, str | None, str | None]]] = {}
         self.events = 0
+        self.restarts = 0
         self.error: str | None = None
 
     def run(self) -> None:
+        """Watches until the window ends. A watch the API server ends early (it closes a watcher
+        that falls behind) is opened again from a fresh list; the gap across that break is not
+        a renewal gap and is not counted."""
         kube = Kube()
         base = lease_base(self.system, self.ns)
-        try:
-            rv = kube.request("GET", base)["metadata"]["resourceVersion"]
-            path = f"{base}?resourceVersion={rv}&timeoutSeconds={int(self.seconds)}&allowWatchBookmarks=false"
-            for ev in kube.watch(path, timeout=self.seconds + 30):
-                if ev.get("type") not in ("ADDED", "MODIFIED"):
-                    continue
-                name, holder, renew = renewal(self.system, ev["object"])
-                runs = self.seen.setdefault(name, [])
-                if not runs or runs[-1][1:] != (holder, renew):
-                    runs.append((now_ns(), holder, renew))
-                self.events += 1
-        except Exception as e:  # noqa: BLE001 (reported in the result, not hidden)
-            self.error = f"{type(e).__name__}: {e}"
+        deadline = time.monotonic() + self.seconds
+        while (left := deadline - time.monotonic()) > 1:
+            try:
+                rv = kube.request("GET", base)["metadata"]["resourceVersion"]
+                path = f"{base}?resourceVersion={rv}&timeoutSeconds={int(left)}&allowWatchBookmarks=false"
+                for ev in kube.watch(path, timeout=left + 30):
+                    self.event(ev)
+            except Exception as e:  # noqa: BLE001 (counted and reported, not hidden)
+                self.error = f"{type(e).__name__}: {e}"
+            if deadline - time.monotonic() > 1:
+                self.restarts += 1
+                for runs in self.seen.values():
+                    runs.append(BREAK)
+
+    def event(self, ev: dict) -> None:
+        if ev.get("type") == "ERROR":
+            self.error = str(ev.get("object"))[:300]
+            return
+        if ev.get("type") not in ("ADDED", "MODIFIED"):
+            return
+        name, holder, renew = renewal(self.system, ev["object"])
+        runs = self.seen.setdefault(name, [])
+        if not runs or runs[-1] is BREAK or runs[-1][1:] != (holder, renew):
+            runs.append((now_ns(), holder, renew))
+        self.events += 1
+
+    def pairs(self):
+        """(lease, earlier, later) for consecutive renewals seen without a break between."""
+        for name, runs in self.seen.items():
+            for a, b in zip(runs, runs[1:]):
+                if a is not BREAK and b is not BREAK:
+                    yield name, a, b
 
     def latest(self, period_s: float, k: int = 5) -> list[dict]:
         """The `k` latest renewals: which lease, when (ns), how late (ms)."""
-        gaps = [{"lease": name, "at_ns": t1, "late_ms": round((t1 - t0) / 1e6 - period_s * 1000, 1)}
-                for name, runs in self.seen.items()
-                for (t0, h0, _), (t1, h1, _) in zip(runs, runs[1:]) if h0 == h1]
+        gaps = [{"lease": name, "renew_time": b[2], "late_ms": round(gap_ms(a, b) - period_s * 1000, 1)}
+                for name, a, b in self.pairs() if a[1] == b[1]]
         return sorted(gaps, key=lambda g: -g["late_ms"])[:k]
 
     def lateness_ms(self, period_s: float) -> tuple[list[float], int]:
         """Every gap between renewals past `period_s`, in ms (0 when on time); holder changes."""
         late, changes = [], 0
-        for runs in self.seen.values():
-            for (t0, h0, _), (t1, h1, _) in zip(runs, runs[1:]):
-                if h0 != h1:
-                    changes += 1
-                    continue
-                late.append(max(0.0, (t1 - t0) / 1e6 - period_s * 1000))
+        for _, a, b in self.pairs():
+            if a[1] != b[1]:
+                changes += 1
+                continue
+            late.append(max(0.0, gap_ms(a, b) - period_s * 1000))
         return late, changes
 
 
@@ -213,8 +245,8 @@ def measure(system: str, args, kube: Kube, ns: str, p: lib.Proc, base: dict[str,
     cpu = {k: (cpu_seconds(pid) - c0[k]) / el for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid))}
     watch.join(30)  # its watch ends at the window's end (timeoutSeconds): counted by then
     r1 = lease_requests(kube, system)
-    for verb in ("LIST", "WATCH"):  # the harness's own list and watch of the window
-        r1[verb] = r1.get(verb, 0) - 1
+    for verb in ("LIST", "WATCH"):  # the harness's own lists and watches of the window
+        r1[verb] = r1.get(verb, 0) - 1 - watch.restarts
     period = args.lease / RENEW_SHARE if system == OURS else retry_of(system, args)
     late, changes = watch.lateness_ms(period)
     own = {v: (r1.get(v, 0) - r0.get(v, 0)) / el for v in r1}
@@ -233,7 +265,7 @@ def measure(system: str, args, kube: Kube, ns: str, p: lib.Proc, base: dict[str,
             "rss_mib_median": {k: round(sorted(v)[len(v) // 2], 1) for k, v in rss.items() if v},
             "renewal_period_s": period, "renewal_gaps": len(late),
             "lateness_ms": stats(late), "latest_renewals": watch.latest(period), "holder_changes": changes,
-            "watch_events": watch.events, "watch_error": watch.error}
+            "watch_events": watch.events, "watch_restarts": watch.restarts, "watch_error": watch.error}
 
 
 def main() -> None:
