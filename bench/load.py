@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import random
+import resource
 import ssl
 import threading
 import time
@@ -158,8 +159,14 @@ class LoadGenerator:
             self.q.put((kind, due))
             n += 1
 
+    @staticmethod
+    def _self_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     def start(self) -> None:
         self.cpu0 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
+        self.cpu0["this process (load generator, delay proxy, harness)"] = self._self_cpu()
         self.t0 = time.time_ns()
         for _ in range(self.workers):
             self.threads.append(threading.Thread(target=self._worker, daemon=True))
@@ -175,6 +182,7 @@ class LoadGenerator:
         self.stop_ev.set()
         self.t1 = time.time_ns()
         cpu1 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
+        cpu1["this process (load generator, delay proxy, harness)"] = self._self_cpu()
         pending = self.q.qsize()
         for _ in range(self.workers):
             self.q.put(None)

@@ -225,7 +225,9 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.2f}" for k, v in la["cpu_s_per_s"].items() if v is not None)
                   + f". Slowed: every candidate of both systems reaches the API server through a proxy adding "
                   f"{lc['delay_ms_each_way']:g} ms each way (GET /version on a fresh TLS connection: p50 "
-                  f"{ms(pr['direct']['p50'])} ms straight, {ms(pr['through_proxy']['p50'])} ms through it); the "
+                  f"{ms(pr['direct']['p50'])} ms straight, {ms(pr['through_proxy']['p50'])} ms through it"
+                  + (f"; at the end, under the load: {ms(pe['direct']['p50'])} ms and {ms(pe['through_proxy']['p50'])} ms"
+                     if (pe := d["load"].get("delay_probe_s_under_load")) else "") + "); the "
                   "harness reads the lease straight. Seconds; failed trials are counted, not dropped.\n")
         md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | max |\n"
                   "|---|---|---|---|---|---|---|---|---|")

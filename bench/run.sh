@@ -37,9 +37,10 @@
 #                      requests/s, its CPU and RSS, renewal lateness; also client-go with a 500 ms
 #                      retry period (100 leases in full mode), for its polling's cost (not on 1.20.2)
 #
-# --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
+# --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
-#   failover-podgone, 16 more for policy-apiserver and policy-scale).
+#   failover-podgone, 16 more for policy-apiserver and policy-scale, about 10 more for
+#   failover-load-kill and failover-load-stop).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
