@@ -268,6 +268,12 @@ def main() -> None:
                     f"fencedlease failed trials: {failed} (any fails the target)"
                     + (f"; {missing} successful trial(s) without a lateness (the holder's renewal not read)"
                        if missing else ""))
+        else:
+            verdict(f"{'crash' if sc == 'kill' else 'pause'} failover after the lease ran out, p99, under load: "
+                    ">= 10x sooner than client-go", False,
+                    f"no lateness measured (fencedlease: {lo.get('n', 0)} trials with one, client-go: "
+                    f"{lp.get('n', 0)}; failed trials: fencedlease {s[OURS].get('trials_failed')}, client-go "
+                    f"{s[PEER].get('trials_failed')})")
 
     # -- API load ----------------------------------------------------------------------------
     d = load(run, "apiload")
