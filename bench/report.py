@@ -243,6 +243,12 @@ def main() -> None:
                     md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - |")
         rr = row["lateness_ratio_peer_over_ours"]
         md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | |")
+        if lp.get("min") is not None and lp["min"] < 0:
+            md.append("\nclient-go's next leader came before the lease ran out in some trials (lateness below 0): "
+                      "its candidates restart their lease clock only when the record changes, compared as JSON "
+                      "with renewTime in whole seconds (client-go's LeaderElectionRecord), so a renewal in the "
+                      "same second as the one before goes unseen; with a retry period under 1 s (short leases) "
+                      "that happens.")
         late = {sy: [t["lateness_s"] for t in d["trials"] if t["system"] == sy and t.get("lateness_s") is not None]
                 for sy in (OURS, PEER)}
         late = {k: v for k, v in late.items() if v}
