@@ -45,7 +45,7 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
-from load import DelayProxy, LoadGenerator, probe_delay
+from load import DelayProxyProcess, LoadGenerator, probe_delay
 from systems import (OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, holder_of, is_ours, object_path,
                      peer_timings, renew_time, start_candidate)
 
@@ -373,14 +373,15 @@ def main() -> None:
         # The delay proxy first (its added latency measured before the load: /version with a
         # fresh TLS connection, straight vs through it), then the load, running before the
         # candidates start and until every lane is done.
-        proxy = DelayProxy(args.delay_ms)
+        proxy = DelayProxyProcess(args.delay_ms, workdir)
         args.candidate_api = f"https://127.0.0.1:{proxy.port}"
         args.candidate_kubeconfig = workdir / "kubeconfig-delayed"
         workdir.mkdir(parents=True, exist_ok=True)
         lib.write_kubeconfig(args.candidate_kubeconfig, args.candidate_api, lib.ca_file().read_bytes())
         probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
         load_cfg = {"delay_ms_each_way": args.delay_ms,
-                    "delay_how": "loopback TCP relay, every chunk held delay_ms each way, in order; "
+                    "delay_how": "loopback TCP relay (a Python process of its own), every chunk held delay_ms "
+                                 "each way, in order; "
                                  "TLS end to end (the API server's certificate); all candidates of both "
                                  "systems and fencedlease's fenced write through it; the harness's reads "
                                  "straight to the API server",

@@ -14,7 +14,7 @@
 - DelayProxy: a loopback TCP relay that delays every chunk it relays by --delay-ms, each way, in
   order (the bytes are TLS: both clients speak TLS to the API server through it, with the API
   server's own certificate, so it is the same for both systems); one listening port, all
-  candidates of both systems through it.
+  candidates of both systems through it; DelayProxyProcess runs it in a process of its own.
 
 Alone, for sizing the load on this machine against a running bench cluster:
   python3 load.py --writes 100 --lists 10 --objects 500 --seconds 30
@@ -31,10 +31,12 @@ import queue
 import random
 import resource
 import ssl
+import sys
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import lib
 from lib import API_PORT, CLUSTER_DIR, Kube, log, stats
@@ -166,7 +168,7 @@ class LoadGenerator:
 
     def start(self) -> None:
         self.cpu0 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
-        self.cpu0["this process (load generator, delay proxy, harness)"] = self._self_cpu()
+        self.cpu0["this process (load generator, harness)"] = self._self_cpu()
         self.t0 = time.time_ns()
         for _ in range(self.workers):
             self.threads.append(threading.Thread(target=self._worker, daemon=True))
@@ -182,7 +184,7 @@ class LoadGenerator:
         self.stop_ev.set()
         self.t1 = time.time_ns()
         cpu1 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
-        cpu1["this process (load generator, delay proxy, harness)"] = self._self_cpu()
+        cpu1["this process (load generator, harness)"] = self._self_cpu()
         pending = self.q.qsize()
         for _ in range(self.workers):
             self.q.put(None)
@@ -293,6 +295,10 @@ class DelayProxy:
             return
         await asyncio.gather(self._pipe(cr, uw, 0), self._pipe(ur, cw, 1), return_exceptions=True)
 
+    def stats(self) -> dict:
+        return {"delay_ms_each_way": self.delay * 1000, "connections": self.connections,
+                "bytes_to_apiserver": self.bytes[0], "bytes_from_apiserver": self.bytes[1]}
+
     def close(self) -> dict:
         async def go():
             self.server.close()
@@ -300,6 +306,42 @@ class DelayProxy:
         asyncio.run_coroutine_threadsafe(go(), self.loop).result()
         return {"delay_ms_each_way": self.delay * 1000, "connections": self.connections,
                 "bytes_to_apiserver": self.bytes[0], "bytes_from_apiserver": self.bytes[1]}
+
+
+class DelayProxyProcess:
+    """DelayProxy in a Python process of its own (`load.py --proxy-only`), so that the harness's
+    threads and the load generator's do not hold up the relaying (one GIL, a busy process):
+    the delay stays what it says. Same interface: .port, .close() -> its figures."""
+
+    def __init__(self, delay_ms: float, workdir: Path):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port_file, self.stats_file = workdir / "delay-proxy.port", workdir / "delay-proxy.json"
+        for f in (self.port_file, self.stats_file):
+            f.unlink(missing_ok=True)
+        self.proc = lib.Proc("delay-proxy", [sys.executable, str(lib.BENCH / "load.py"), "--proxy-only",
+                                             "--delay-ms", str(delay_ms), "--port-file", str(self.port_file),
+                                             "--stats-file", str(self.stats_file)], workdir / "logs")
+
+        def port() -> int | None:
+            if not self.proc.alive():
+                raise RuntimeError(f"the delay proxy exited; see {self.proc.logfile}")
+            try:
+                return int(self.port_file.read_text())
+            except (OSError, ValueError):
+                return None
+
+        self.port = lib.wait_until(port, 20, "the delay proxy to listen", interval=0.05)
+
+    def close(self) -> dict:
+        time.sleep(1.2)  # one more stats write
+        try:
+            out = json.loads(self.stats_file.read_text())
+        except (OSError, ValueError):
+            out = {}
+        out["alive_at_end"] = self.proc.alive()
+        out["cpu_s"] = cpu_seconds(self.proc.pid)  # over its life: the whole run
+        lib.stop_all([self.proc])
+        return out
 
 
 def probe_delay(port: int, n: int = 5) -> dict:
@@ -326,7 +368,20 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--delay-ms", type=float, default=0)
+    ap.add_argument("--proxy-only", action="store_true",
+                    help="run only the delay proxy (DelayProxyProcess starts it so): its port to "
+                         "--port-file, its figures to --stats-file every second")
+    ap.add_argument("--port-file", type=Path)
+    ap.add_argument("--stats-file", type=Path)
     args = ap.parse_args()
+    if args.proxy_only:
+        px = DelayProxy(args.delay_ms)
+        args.port_file.write_text(str(px.port))
+        while True:
+            tmp = args.stats_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(px.stats()))
+            tmp.replace(args.stats_file)
+            time.sleep(1)
     kube = Kube()
     gen = LoadGenerator(args.writes, args.lists, args.objects, args.object_bytes, args.workers)
     gen.setup(kube)
