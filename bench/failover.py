@@ -24,6 +24,14 @@ the holder's process group and, at once, the force-deletion (grace 0) of its pod
 is the start of that DELETE. client-go lanes get the same event (their pods have no annotation:
 client-go knows nothing of pods). A third system, fencedlease-opted-out, runs the same lanes on
 leases with `spec.revokeOnHolderDeath: false`: the same event without the early revocation.
+
+Under load (issue 21; --load-writes, --load-lists, --delay-ms; the result is then named
+failover-load-<scenario>): bench/load.py's load generator sends writes and lists to the API server
+at the stated rates for the whole run, and every candidate of both systems (their kubeconfig, and
+fencedlease's fenced write) reaches the API server through one delay proxy that adds --delay-ms to
+every chunk each way. The harness's own reads (the lease's last renewTime, pods) go straight to the
+API server, so the timing is not delayed. The result adds the load's configuration and what it
+achieved (requests/s sent, errors, latency, the API server's CPU) and the proxy's delay.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
+from load import DelayProxyProcess, LoadGenerator, probe_delay
 from systems import (OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, holder_of, is_ours, object_path,
                      peer_timings, renew_time, start_candidate)
 
@@ -86,8 +95,9 @@ class Lane(threading.Thread):
                                   pod_body(ident, self.lease if is_ours(self.system) else None))
             self.slots[i] = start_candidate(
                 self.system, name=ident, ns=self.ns, lease=self.lease, identity=ident,
-                lease_s=self.args.lease, kubeconfig=lib.kubeconfig(), logdir=self.dir / "logs",
-                events=self.dir / f"{ident}.events", writes=self.dir / "writes.jsonl", cm=self.cm)
+                lease_s=self.args.lease, kubeconfig=self.args.candidate_kubeconfig or lib.kubeconfig(),
+                logdir=self.dir / "logs", events=self.dir / f"{ident}.events",
+                writes=self.dir / "writes.jsonl", cm=self.cm, api=self.args.candidate_api)
 
     def leaders(self) -> list[tuple[lib.Proc, dict]]:
         out = []
@@ -308,18 +318,32 @@ def main() -> None:
                     help="SIGSTOP lasts the lease plus this many seconds")
     ap.add_argument("--no-opt-out", action="store_true",
                     help="podgone: leave out the lanes whose leases have revokeOnHolderDeath: false")
+    ap.add_argument("--load-writes", type=float, default=0,
+                    help="under load: ConfigMap writes per second to the API server during the run")
+    ap.add_argument("--load-lists", type=float, default=0,
+                    help="under load: LISTs per second of the load namespace's ConfigMaps")
+    ap.add_argument("--load-objects", type=int, default=500, help="under load: ConfigMaps in the load namespace")
+    ap.add_argument("--load-object-bytes", type=int, default=1024, help="under load: bytes of data per ConfigMap")
+    ap.add_argument("--load-workers", type=int, default=32, help="under load: the load generator's threads")
+    ap.add_argument("--delay-ms", type=float, default=0,
+                    help="under load: every candidate reaches the API server through a proxy adding this "
+                         "many ms to each chunk, each way")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    loaded = bool(args.load_writes or args.load_lists or args.delay_ms)
+    name = f"failover-load-{args.scenario}" if loaded else f"failover-{args.scenario}"
+    label = name.replace("-", "/", 1)  # failover/kill, failover/load-kill: for the log
+    args.candidate_kubeconfig = args.candidate_api = None
     systems = SYSTEMS
     if args.scenario == "podgone" and not args.no_opt_out:
         systems = (*SYSTEMS, OURS_OPT_OUT)
 
     kube = Kube()
     lib.install_crd()
-    ns = f"bench-{args.scenario}-{lib.rand_suffix()}"
+    ns = f"bench-{'load-' if loaded else ''}{args.scenario}-{lib.rand_suffix()}"
     kube.create_namespace(ns)
     workdir = lib.WORK / ns
-    step(f"failover/{args.scenario}: {args.lanes} lane(s) per system x {args.trials} trial(s), "
+    step(f"{label}: {args.lanes} lane(s) per system x {args.trials} trial(s), "
          f"{args.candidates} candidates per lane, lease {args.lease} s, namespace {ns}")
     lanes_cfg = [(s, i) for i in range(args.lanes) for s in systems]
     # The protected ConfigMaps (created before the webhook is registered), then the webhook.
@@ -343,6 +367,33 @@ def main() -> None:
                        "the namespace's default ServiceAccount", interval=0.2)
         ctl, ctl_port = start_controller(ns, workdir)
 
+    gen = proxy = None
+    load_cfg: dict | None = None
+    if loaded:
+        # The delay proxy first (its added latency measured before the load: /version with a
+        # fresh TLS connection, straight vs through it), then the load, running before the
+        # candidates start and until every lane is done.
+        proxy = DelayProxyProcess(args.delay_ms, workdir)
+        args.candidate_api = f"https://127.0.0.1:{proxy.port}"
+        args.candidate_kubeconfig = workdir / "kubeconfig-delayed"
+        workdir.mkdir(parents=True, exist_ok=True)
+        lib.write_kubeconfig(args.candidate_kubeconfig, args.candidate_api, lib.ca_file().read_bytes())
+        probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
+        load_cfg = {"delay_ms_each_way": args.delay_ms,
+                    "delay_how": "loopback TCP relay (a Python process of its own), every chunk held delay_ms "
+                                 "each way, in order; "
+                                 "TLS end to end (the API server's certificate); all candidates of both "
+                                 "systems and fencedlease's fenced write through it; the harness's reads "
+                                 "straight to the API server",
+                    "delay_probe_s": {k: {q: round(v[q], 4) for q in ("p50", "max")} for k, v in probe.items()}}
+        gen = LoadGenerator(args.load_writes, args.load_lists, args.load_objects,
+                            args.load_object_bytes, args.load_workers)
+        step(f"{label}: creating {args.load_objects} ConfigMaps for the load")
+        gen.setup(kube)
+        load_cfg["generator"] = gen.config()
+        gen.start()
+        time.sleep(2)  # let the API server feel it before the first candidate starts
+
     results: list[dict] = []
     lock = threading.Lock()
     lanes = [Lane(s, i, args.scenario, args, ns, workdir, results, lock) for s, i in lanes_cfg]
@@ -359,12 +410,24 @@ def main() -> None:
                 ok = [r for r in results if "failover_s" in r]
                 by = {s: [r["failover_s"] for r in ok if r["system"] == s] for s in systems}
                 med = {s: (f"{lib.pct(v, 50):.3f}s" if v else "-") for s, v in by.items()}
-                log(f"failover/{args.scenario}: {done}/{total} trials, median so far {med}")
+                log(f"{label}: {done}/{total} trials, median so far {med}")
                 last = done
     kube.request("DELETE",
                  f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{wh_name}",
                  ok=(200, 404))
     lib.stop_all([wh])
+    load_out = None
+    if gen is not None:
+        # The delay again, with the load still on (the proxy runs in this busy process too).
+        end_probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
+        load_out = {"achieved": gen.stop(), "delay_proxy": proxy.close(),
+                    "delay_probe_s_under_load": {k: {q: round(v[q], 4) for q in ("p50", "max")}
+                                                 for k, v in end_probe.items()}}
+        a = load_out["achieved"]
+        log(f"{label}: load achieved {a['write']['sent_per_s']:.1f} writes/s, {a['list']['sent_per_s']:.1f} "
+            f"lists/s, {a['write']['errors'] + a['list']['errors']} errors, write p99 "
+            f"{(a['write']['latency_from_due_s']['p99'] or 0) * 1000:.0f} ms; CPU s/s {a['cpu_s_per_s']}")
+        gen.cleanup(kube)
     controller = None
     if ctl is not None:
         # One revoked_holder_dead per fencedlease trial that got as far as the deletion, and
@@ -372,7 +435,7 @@ def main() -> None:
         controller = controller_report(ctl, ctl_port)
         lib.stop_all([ctl])
     out = {
-        "benchmark": f"failover-{args.scenario}",
+        "benchmark": name,
         "config": {"lease_s": args.lease, "lanes_per_system": args.lanes, "trials_per_lane": args.trials,
                    "candidates_per_lane": args.candidates,
                    "peer_timings_s": dict(zip(("lease", "renew_deadline", "retry_period"),
@@ -380,13 +443,14 @@ def main() -> None:
                    "ours_timings_s": {"lease": args.lease, "renew_interval": args.lease / 3,
                                       "safety_margin": min(max(args.lease / 5, 0.05), 2.0)},
                    "stop_extra_s": args.stop_extra if args.scenario == "stop" else None,
-                   "systems": list(systems)},
+                   "systems": list(systems), **({"load": load_cfg} if loaded else {})},
         "wall_s": time.monotonic() - started,
+        **({"load": load_out} if loaded else {}),
         "controller": controller,
         "summary": summarize(results, systems),
         "trials": sorted(results, key=lambda r: (r["system"], r["lane"], r["trial"])),
     }
-    finish(args.out, args.scenario, out)
+    finish(args.out, name, out)
 
 
 def controller_report(ctl: lib.Proc, port: int) -> dict:
@@ -399,23 +463,25 @@ def controller_report(ctl: lib.Proc, port: int) -> dict:
     return {"alive_at_end": alive, "lease_events": events, "log": str(ctl.logfile)}
 
 
-def finish(out_dir: Path, scenario: str, out: dict) -> None:
-    """Writes the result, logs each system's figures, and fails the benchmark when a system had
-    no successful trial or the controller (if any) died."""
-    lib.write_result(out_dir, f"failover-{scenario}", out)
+def finish(out_dir: Path, name: str, out: dict) -> None:
+    """Writes the result (NAME.json: failover-<scenario> or failover-load-<scenario>), logs each
+    system's figures, and fails the benchmark when a system had no successful trial or the
+    controller (if any) died."""
+    lib.write_result(out_dir, name, out)
+    label = name.replace("-", "/", 1)
     for s, v in out["summary"].items():
         f = v["failover_s"]
         if f.get("n"):
-            log(f"failover/{scenario} {s}: n={f['n']} p50={f['p50']:.3f}s p99={f['p99']:.3f}s "
+            log(f"{label} {s}: n={f['n']} p50={f['p50']:.3f}s p99={f['p99']:.3f}s "
                 f"max={f['max']:.3f}s failed={v['trials_failed']}")
         else:
-            log(f"failover/{scenario} {s}: no successful trial")
+            log(f"{label} {s}: no successful trial")
     bad = [s for s, v in out["summary"].items() if not v["failover_s"].get("n")]
     controller = out.get("controller")
     if controller is not None and not controller["alive_at_end"]:
-        raise SystemExit(f"failover/{scenario}: the controller exited during the run; see {controller['log']}")
+        raise SystemExit(f"{label}: the controller exited during the run; see {controller['log']}")
     if bad:
-        raise SystemExit(f"failover/{scenario}: no successful trial for {bad}")
+        raise SystemExit(f"{label}: no successful trial for {bad}")
 
 
 if __name__ == "__main__":

@@ -483,7 +483,7 @@ def scale(args, kube: Kube, work: Path) -> dict:
     try:
         lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "policy", 60,
                        "the policy to judge the lease's objects (its binding)")
-        step(f"policy-scale: one lease, one binding")
+        step("policy-scale: one lease, one binding")
         res["one"] = footprint(kube, args.settle, args.idle, "1 lease, 1 binding")
         one = measure(kube, w, args.updates, args.updates_warmup, "1 binding", args.max_seconds)
         check_server(one, args.updates, "policy", args.expect_fine_buckets)

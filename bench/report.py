@@ -187,6 +187,100 @@ def main() -> None:
                     f"p50 {fo_o['p50'] * 1000:.1f} ms, p99 {fo_o['p99'] * 1000:.1f} ms "
                     f"(client-go p50 {fo_p.get('p50', 0) * 1000:.0f} ms)")
 
+    # -- failover under load (issue 21) ----------------------------------------------------------
+    summary["failover_load"] = {}
+    for sc, title in (("kill", "crash (SIGKILL of the holder)"),
+                      ("stop", "pause (SIGSTOP of the holder past the lease)")):
+        d = load(run, f"failover-load-{sc}")
+        if not d:
+            continue
+        L, s, c = d["config"]["lease_s"], d["summary"], d["config"]
+        lc, la = c["load"], d["load"]["achieved"]
+        g, w, li = lc["generator"], la["write"], la["list"]
+        pr = lc["delay_probe_s"]
+        row = {"lease_s": L, "config": c, "load_achieved": la, "delay_proxy": d["load"]["delay_proxy"]}
+        for system in (OURS, PEER):
+            v = s.get(system, {})
+            row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
+                           for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
+            row[system]["trials_ok"] = v.get("trials_ok")
+            row[system]["trials_failed"] = v.get("trials_failed")
+        lo, lp = s[OURS].get("lateness_s", {}), s[PEER].get("lateness_s", {})
+        row["lateness_ratio_peer_over_ours"] = {q: ratio(lp.get(q), lo.get(q)) for q in ("p50", "p99")}
+        summary["failover_load"][sc] = row
+
+        def ms(x):
+            return "-" if x is None else f"{x * 1000:.0f}"
+
+        md.append(f"\n### Failover under load: {title}\n\nLease {L} s; {c['lanes_per_system']} lanes per "
+                  f"system x {c['trials_per_lane']} trials, {c['candidates_per_lane']} candidates per lane. "
+                  f"The API server busy: {g['writes_per_s']:g} writes/s (merge patches) and {g['lists_per_s']:g} "
+                  f"LISTs/s of {g['objects']} ConfigMaps of ~{g['object_bytes']} B, open loop from this machine "
+                  f"for the whole run ({la['window_s']:.0f} s); achieved {w['sent_per_s']:.1f} writes/s "
+                  f"({w['errors']} errors, latency p50 {ms(w['latency_from_due_s'].get('p50'))} ms, p99 "
+                  f"{ms(w['latency_from_due_s'].get('p99'))} ms) and {li['sent_per_s']:.1f} lists/s ({li['errors']} "
+                  f"errors, p50 {ms(li['latency_from_due_s'].get('p50'))} ms, p99 "
+                  f"{ms(li['latency_from_due_s'].get('p99'))} ms), {la['pending_at_stop']} requests behind the "
+                  f"schedule at the end; CPU s/s over the run: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in la["cpu_s_per_s"].items() if v is not None)
+                  + f". Slowed: every candidate of both systems reaches the API server through a proxy adding "
+                  f"{lc['delay_ms_each_way']:g} ms each way (GET /version on a fresh TLS connection: p50 "
+                  f"{ms(pr['direct']['p50'])} ms straight, {ms(pr['through_proxy']['p50'])} ms through it"
+                  + (f"; at the end, under the load: {ms(pe['direct']['p50'])} ms and {ms(pe['through_proxy']['p50'])} ms"
+                     if (pe := d["load"].get("delay_probe_s_under_load")) else "") + "); the "
+                  "harness reads the lease straight. Seconds; failed trials are counted, not dropped.\n")
+        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | max |\n"
+                  "|---|---|---|---|---|---|---|---|---|")
+        for k, label in (("failover_s", "signal -> next leader"),
+                         ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
+                         ("first_write_s", "signal -> first accepted fenced write")):
+            for sy in (OURS, PEER):
+                v = row[sy].get(k)
+                if v and v.get("n"):
+                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
+                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {v['max']:.3f} |")
+                elif k == "failover_s":
+                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - |")
+        rr = row["lateness_ratio_peer_over_ours"]
+        md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | |")
+        if lp.get("min") is not None and lp["min"] < 0:
+            md.append("\nclient-go's next leader came before the lease ran out in some trials (lateness below 0): "
+                      "its candidates restart their lease clock only when the record changes, compared as JSON "
+                      "with renewTime in whole seconds (client-go's LeaderElectionRecord), so a renewal in the "
+                      "same second as the one before goes unseen; with a retry period under 1 s (short leases) "
+                      "that happens.")
+        late = {sy: [t["lateness_s"] for t in d["trials"] if t["system"] == sy and t.get("lateness_s") is not None]
+                for sy in (OURS, PEER)}
+        late = {k: v for k, v in late.items() if v}
+        if late:
+            (plots / f"lateness-load-{sc}.svg").write_text(ecdf_svg(
+                late, title=f"Under load, after {sc}: next leader minus (last renewal + lease)",
+                xlabel="seconds past the earliest takeover the lease allows", vlines=[(0, "expiry")]))
+        if lo.get("n") and lp.get("n"):
+            failed = s[OURS].get("trials_failed") or 0
+            missing = s[OURS]["trials_ok"] - lo["n"]
+            if lo["p99"] <= 0:
+                met = lp["p99"] > 0
+                times = "at or before expiry"
+            else:
+                met = lp["p99"] >= 10 * lo["p99"]
+                times = f"{lp['p99'] / lo['p99']:.1f}x sooner"
+            met = met and failed == 0
+            verdict(f"{'crash' if sc == 'kill' else 'pause'} failover after the lease ran out, p99, under load: "
+                    ">= 10x sooner than client-go", met,
+                    f"p99 {lo['p99'] * 1000:.0f} ms (max {lo['max'] * 1000:.0f} ms) after the lease ran out vs "
+                    f"client-go p99 {lp['p99'] * 1000:.0f} ms: {times}; {L} s lease, {g['writes_per_s']:g} writes/s + "
+                    f"{g['lists_per_s']:g} lists/s, +{lc['delay_ms_each_way']:g} ms each way",
+                    f"fencedlease failed trials: {failed} (any fails the target)"
+                    + (f"; {missing} successful trial(s) without a lateness (the holder's renewal not read)"
+                       if missing else ""))
+        else:
+            verdict(f"{'crash' if sc == 'kill' else 'pause'} failover after the lease ran out, p99, under load: "
+                    ">= 10x sooner than client-go", False,
+                    f"no lateness measured (fencedlease: {lo.get('n', 0)} trials with one, client-go: "
+                    f"{lp.get('n', 0)}; failed trials: fencedlease {s[OURS].get('trials_failed')}, client-go "
+                    f"{s[PEER].get('trials_failed')})")
+
     # -- API load ----------------------------------------------------------------------------
     d = load(run, "apiload")
     if d:

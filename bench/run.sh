@@ -16,6 +16,12 @@
 #                      image), the kubelet restarts the container: time from the kill to the next
 #                      holder the API server records. Starts hack/node.sh for the bench cluster
 #                      (one kubelet per machine: another node must be down) and stops it after.
+#   failover-load-kill failover-kill under load (issue 21): a load generator sends ConfigMap writes
+#                      and LISTs to the API server at stated rates (bench/load.py; full: 100
+#                      writes/s + 10 lists/s of 500 ConfigMaps; quick: 20 + 2 of 100) and every
+#                      candidate of both systems reaches it through a proxy adding 20 ms each way;
+#                      the harness's own reads go straight to the API server
+#   failover-load-stop failover-stop under the same load and delay
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
@@ -31,9 +37,10 @@
 #                      requests/s, its CPU and RSS, renewal lateness; also client-go with a 500 ms
 #                      retry period (100 leases in full mode), for its polling's cost (not on 1.20.2)
 #
-# --quick (default): small sizes, about 3 minutes after the builds; checks that every command works and exits 0
+# --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
-#   failover-podgone, 16 more for policy-apiserver and policy-scale).
+#   failover-podgone, 16 more for policy-apiserver and policy-scale, about 10 more for
+#   failover-load-kill and failover-load-stop).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
@@ -74,7 +81,8 @@ for a in "$@"; do
     *) NAMES+=("$a") ;;
   esac
 done
-ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited apiload webhook-server
+ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
+  failover-load-stop apiload webhook-server
   webhook-apiserver policy-apiserver policy-scale controller-scale footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
@@ -213,6 +221,7 @@ if [ "$MODE" = full ]; then
   TERM_=(--lease 15 --lanes 8 --trials 25)
   GONE=(--lease 15 --lanes 5 --trials 20)
   EXITED=(--lease 15 --lanes 3 --trials 15)
+  LOADED=(--lease 15 --lanes 6 --trials 10 --load-writes 100 --load-lists 10 --load-objects 500 --delay-ms 20)
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
@@ -227,6 +236,7 @@ else
   TERM_=(--lease 3 --lanes 1 --trials 3)
   GONE=(--lease 3 --lanes 1 --trials 2)
   EXITED=(--lease 3 --lanes 1 --trials 2 --no-opt-out)
+  LOADED=(--lease 3 --lanes 1 --trials 2 --load-writes 20 --load-lists 2 --load-objects 100 --delay-ms 20)
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
   WHA=(--updates 50 --updates-warmup 10)
@@ -266,6 +276,8 @@ for n in "${NAMES[@]}"; do
     failover-term) bench "$n" python3 failover.py term "${TERM_[@]}" --out "$OUT" ;;
     failover-podgone) bench "$n" python3 failover.py podgone "${GONE[@]}" --out "$OUT" ;;
     failover-exited) bench "$n" python3 failover_node.py "${EXITED[@]}" --peer-image "$PEER_IMAGE" --out "$OUT" ;;
+    failover-load-kill) bench "$n" python3 failover.py kill "${LOADED[@]}" --out "$OUT" ;;
+    failover-load-stop) bench "$n" python3 failover.py stop "${LOADED[@]}" --out "$OUT" ;;
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;

@@ -29,13 +29,15 @@ def peer_timings(lease_s: float) -> tuple[float, float, float]:
 
 def start_candidate(system: str, *, name: str, ns: str, lease: str, identity: str, lease_s: int,
                     kubeconfig: Path, logdir: Path, events: Path, writes: Path | None = None,
-                    cm: str | None = None) -> Proc:
+                    cm: str | None = None, api: str | None = None) -> Proc:
+    """`api`: where the fenced write goes (default: the API server; failover under load: the
+    same delay proxy as the kubeconfig's server)."""
     env = {"KUBECONFIG": str(kubeconfig)}
     if is_ours(system):
         if cm and writes:
             cmd = ["sh", str(BENCH / "fenced-write.sh")]
             env.update({"BENCH_CA": str(ca_file()), "BENCH_API_TOKEN": admin_token(),
-                        "BENCH_API": f"https://127.0.0.1:{API_PORT}", "BENCH_CM": cm,
+                        "BENCH_API": api or f"https://127.0.0.1:{API_PORT}", "BENCH_CM": cm,
                         "BENCH_WRITES": str(writes)})
         else:
             cmd = ["sleep", "100000"]
