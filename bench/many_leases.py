@@ -28,7 +28,6 @@ Each system's candidates run in one process, so that N×C of them fit on this ma
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import threading
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
+from policy_bench import proc_pid, rss_kib
+from webhook_bench import cpu_seconds
 
 OURS, PEER, FAST = "fencedlease", "client-go", "client-go-500ms"
 # client-go tuned for speed (issue 21): a 500 ms retry period, to show what its polling costs.
@@ -44,25 +45,8 @@ RENEW_SHARE = 3  # fencedlease renews a third of the way into the lease
 BREAK = None  # in a lease's list of renewals seen: the watch was opened again here
 
 
-def proc_pid(component: str) -> int | None:
-    try:
-        return int((lib.CLUSTER_DIR / "pids" / component).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return rss_kib(pid) / 1024
 
 
 def lease_base(system: str, ns: str) -> str:
