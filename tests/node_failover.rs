@@ -14,6 +14,7 @@ use common::node::{
 };
 use common::operator::{Injected, LEASE, LEASE_SECONDS};
 use common::{eventually, try_eventually};
+use fencedlease::holder;
 use kube::api::DeleteParams;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -93,6 +94,7 @@ async fn a_killed_leader_sidecar_is_revoked_before_its_lease_runs_out() {
     let socket = containerd_socket(&ready_node(&w.client).await);
     let (leader, _, lease) = w.steady(Duration::from_secs(120)).await;
     let (old, old_token) = (name_of(&leader), lease.token().expect("token"));
+    settled_tenure(&w, &old, old_token).await;
     let t0 = Instant::now();
     ctr(
         &socket,
@@ -147,4 +149,34 @@ async fn a_killed_leader_sidecar_is_revoked_before_its_lease_runs_out() {
         took < Duration::from_secs(lease_seconds),
         "a new token only after {took:?}, not before the {lease_seconds} s lease ran out"
     );
+}
+
+/// Waits until the lease's status records `holder`'s tenure of `token` and its acquireTime is
+/// more than two seconds past. The controller compares the container's `startedAt` and
+/// `finishedAt` (one-second resolution) with acquireTime only when they are later by more than
+/// [`holder::RESOLUTION`]; a container that dies within that margin of acquiring is waited out,
+/// as the README says. (Killing it sooner made this test fail three times: the kill came a second
+/// after the acquisition and the restart's startedAt was too close to tell.)
+async fn settled_tenure(w: &Injected, holder: &str, token: i64) {
+    let margin = holder::RESOLUTION + jiff::SignedDuration::from_secs(1);
+    let acquired = eventually(
+        Duration::from_secs(30),
+        "the lease's status to record the holder's tenure",
+        || async {
+            let l = w.leases().get(LEASE).await.map_err(|e| e.to_string())?;
+            match holder::tenure_start(&l) {
+                Some(at) if l.holder() == Some(holder) && l.token() == Some(token) => Ok(at),
+                other => Err(format!(
+                    "holder {:?} token {:?} tenure start {other:?}",
+                    l.holder(),
+                    l.token()
+                )),
+            }
+        },
+    )
+    .await;
+    let left = (acquired + margin).duration_since(jiff::Timestamp::now());
+    if left.is_positive() {
+        tokio::time::sleep(left.unsigned_abs()).await;
+    }
 }
