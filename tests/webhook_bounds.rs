@@ -337,6 +337,7 @@ async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
     let limits = Limits {
         max_connections: 6,
         max_connections_per_peer: 3,
+        slot_wait: Duration::ZERO,
         tls_handshake_timeout: Duration::from_secs(1),
         ..Limits::default()
     };
@@ -386,6 +387,100 @@ async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
     assert_eq!(refused("server_full"), 1.0);
     assert_eq!(srv.closed("tls_timeout"), 6.0);
     assert_eq!(srv.metric("fencedlease_webhook_connections_open"), 1.0);
+    srv.stop().await;
+}
+
+/// The API server calls a Service-registered webhook over HTTP/1.1, a connection per admission
+/// in flight: a connection beyond the bounds waits for a slot instead of being closed at once
+/// (which the API server reports as a failed call, and, with failurePolicy Fail, a failed
+/// write), and is closed only if none frees within `slot_wait`.
+#[tokio::test]
+async fn a_connection_beyond_the_bounds_waits_for_a_slot() {
+    let limits = Limits {
+        max_connections: 4,
+        max_connections_per_peer: 2,
+        slot_wait: Duration::from_millis(1500),
+        max_waiting: 1,
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut first = srv.h2_from("127.0.0.1").await;
+    let second = srv.tls_from("127.0.0.1", b"http/1.1").await;
+    assert_eq!(post(&mut first, review(10)).await, "read 10");
+    // A third from the same address waits; the second closing gives it the slot.
+    let t0 = Instant::now();
+    let waiting = async {
+        let mut third = srv.h2_from("127.0.0.1").await;
+        (post(&mut third, review(20)).await, Instant::now())
+    };
+    let meanwhile = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // One waits at most (max_waiting 1): a fourth meanwhile is closed at once.
+        let mut fourth = srv.tcp_from("127.0.0.1").await;
+        let closed = closed_by(&mut fourth, Instant::now() + Duration::from_millis(200)).await;
+        drop(second);
+        closed
+    };
+    let ((answer, at), fourth_closed) = tokio::join!(waiting, meanwhile);
+    assert!(
+        fourth_closed,
+        "a connection beyond max_waiting was not closed at once"
+    );
+    assert_eq!(answer, "read 20");
+    assert!(
+        at - t0 < Duration::from_millis(1500),
+        "the waiting connection was served only after {:?}",
+        at - t0
+    );
+    // Nothing frees: a waiting connection is closed after slot_wait, counted.
+    let _third_holder = srv.tls_from("127.0.0.1", b"http/1.1").await; // the peer's 2 again
+    let mut late = srv.tcp_from("127.0.0.1").await;
+    let waited = Instant::now();
+    assert!(
+        !closed_by(&mut late, Instant::now() + Duration::from_millis(1000)).await,
+        "a waiting connection was closed before slot_wait"
+    );
+    assert!(
+        closed_by(&mut late, waited + Duration::from_millis(2500)).await,
+        "a waiting connection outlived slot_wait"
+    );
+    let refused = |r: &str| {
+        srv.metric(&format!(
+            "fencedlease_webhook_connections_refused_total{{reason=\"{r}\"}}"
+        ))
+    };
+    assert_eq!(refused("peer_full"), 2.0);
+    srv.stop().await;
+}
+
+/// The header timeout runs from a request's first byte, not while a keep-alive connection
+/// waits for its next request: the API server keeps idle HTTP/1 connections for 90 s, and a
+/// close of ours crossing its next request fails that call.
+#[tokio::test]
+async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(5),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let tls = srv.tls_from("127.0.0.1", b"http/1.1").await;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("HTTP/1 handshake");
+    tokio::spawn(conn);
+    for n in [10, 20] {
+        send.ready().await.expect("the connection is still open");
+        let req = hyper::Request::post("/validate")
+            .header("host", "127.0.0.1")
+            .body(review(n))
+            .expect("request");
+        let resp = send.send_request(req).await.expect("an answer");
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        assert_eq!(String::from_utf8_lossy(&bytes), format!("read {n}"));
+        tokio::time::sleep(Duration::from_millis(1000)).await; // idle, past the header timeout
+    }
+    assert_eq!(srv.closed("header_timeout"), 0.0);
     srv.stop().await;
 }
 
@@ -512,6 +607,7 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
 async fn many_parallel_large_bodies_never_buffer_more_than_the_budget() {
     let limits = Limits {
         max_connections_per_peer: 12,
+        max_concurrent_streams: 8,
         body_budget_bytes: MIB,
         max_body_bytes: 512 * KIB,
         body_timeout: Duration::from_secs(10),

@@ -3,7 +3,11 @@
 //! memory limit nor stop it answering the API server.
 //!
 //! - Connections: at most [`Limits::max_connections`] at once and
-//!   [`Limits::max_connections_per_peer`] from one IP address; more are closed at once, unserved.
+//!   [`Limits::max_connections_per_peer`] from one IP address. A connection beyond either waits
+//!   up to [`Limits::slot_wait`] for a slot (at most [`Limits::max_waiting`] wait at once), and is
+//!   closed unserved if none frees: the API server calls a webhook registered by a Service over
+//!   HTTP/1.1, one connection per admission in flight, so a burst must become a short wait, not
+//!   failed writes.
 //! - Time: a TLS handshake, a request's headers, a request's body, an idle connection and any
 //!   connection at all each have a deadline; at the last two the connection is told to finish
 //!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
@@ -33,7 +37,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -70,17 +74,18 @@ const TASK_BYTES: usize = 8 * KIB;
 ///
 /// One connection can make the webhook hold at most ([`Limits::connection_bytes`]):
 /// - kernel receive queue, 2 x `socket_receive_buffer_bytes` (Linux doubles SO_RCVBUF for its
-///   bookkeeping; socket memory is charged to the pod's cgroup): 2 x 64 KiB = 128 KiB;
+///   bookkeeping; socket memory is charged to the pod's cgroup): 2 x 32 KiB = 64 KiB;
 /// - TLS state, 160 KiB; HTTP/2 framing, 64 KiB;
-/// - per stream (`max_concurrent_streams` = 8): its request bytes received but not yet read
+/// - per stream (`max_concurrent_streams` = 4): its request bytes received but not yet read
 ///   (its receive window, 32 KiB), its headers (16 KiB), its answer (16 KiB) and its task
-///   (8 KiB): 8 x 72 KiB = 576 KiB;
+///   (8 KiB): 4 x 72 KiB = 288 KiB;
 ///
-/// together 928 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
+/// together 576 KiB; HTTP/1 holds less (one request at a time, headers within 16 KiB).
 ///
 /// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
-/// - 32 connections x 928 KiB = 29 MiB;
+/// - 64 connections x 576 KiB = 36 MiB;
+/// - 32 connections waiting for a slot, each its kernel receive queue: 2 MiB;
 /// - request bodies and answers: the 16 MiB budget (an answer larger than its body takes the
 ///   difference, [`answer_within`], and holds it until sent), and as much again for judging
 ///   bodies (the guard of [`read_body_bounded`] is held until the answer is sent) = 32 MiB. The parsers keep
@@ -89,23 +94,32 @@ const TASK_BYTES: usize = 8 * KIB;
 ///   (`tests/webhook_memory.rs`, `bench/webhook_memory.py`; it was ~100 MiB for tiny labels
 ///   at /validate, 265 MiB for empty arrays and gigabytes for empty containers at /mutate);
 ///
-/// = 101 MiB, which leaves 27 MiB of the 128 MiB limit for what this does not see (more than
+/// = 110 MiB, which leaves 18 MiB of the 128 MiB limit for what this does not see (more than
 /// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Connections served at once; more are closed at once, unserved. The API server keeps one
-    /// HTTP/2 connection per replica and opens more only beyond 8 admissions in flight on it.
+    /// Connections served at once. The API server calls a webhook registered by a Service (as
+    /// the chart does) over HTTP/1.1, one connection per admission in flight, keeping up to 25
+    /// idle; one registered by a localhost URL over HTTP/2.
     pub max_connections: usize,
-    /// Connections from one IP address at once, so that one pod cannot take every slot from
-    /// the API server: it takes four to fill the server. An API server needs a few (one
-    /// HTTP/2 connection, more beyond 8 admissions in flight on it).
+    /// Connections from one IP address at once: an API server's admissions in flight at this
+    /// replica, beyond which its calls wait; and what one pod can take, so that it cannot take
+    /// every slot from the API server.
     pub max_connections_per_peer: usize,
+    /// How long a connection beyond either bound waits for a slot (before its TLS handshake)
+    /// before it is closed unserved.
+    pub slot_wait: Duration,
+    /// Connections waiting for a slot at once; beyond them a connection is closed at once.
+    pub max_waiting: usize,
     /// A TLS handshake not finished by then is dropped.
     pub tls_handshake_timeout: Duration,
-    /// HTTP/1: a request whose headers have not all arrived by then closes the connection
-    /// (also between keep-alive requests).
+    /// HTTP/1: a request whose headers have not all arrived this long after its first byte
+    /// closes the connection.
     pub header_read_timeout: Duration,
-    /// A connection with no request in flight for this long is told to finish.
+    /// A connection with no request in flight for this long is told to finish. Longer than the
+    /// API server's 90 s for an idle connection (Go's `IdleConnTimeout`), so that the API server
+    /// closes an idle one first: a close of ours could cross a request it sends at that moment,
+    /// which it would not send again (a POST) and would count as a failed call.
     pub idle_timeout: Duration,
     /// No connection lives longer: it is told to finish, however busy.
     pub max_connection_age: Duration,
@@ -139,17 +153,19 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_connections: 32,
-            max_connections_per_peer: 8,
+            max_connections: 64,
+            max_connections_per_peer: 48,
+            slot_wait: Duration::from_secs(1),
+            max_waiting: 32,
             tls_handshake_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(120),
             max_connection_age: Duration::from_secs(600),
             shutdown_grace: Duration::from_secs(10),
-            max_concurrent_streams: 8,
+            max_concurrent_streams: 4,
             max_header_bytes: 16 * 1024,
             h2_stream_window_bytes: 32 * 1024,
-            socket_receive_buffer_bytes: 64 * 1024,
+            socket_receive_buffer_bytes: 32 * 1024,
             h2_keep_alive_interval: Duration::from_secs(20),
             h2_keep_alive_timeout: Duration::from_secs(10),
             max_body_bytes: admission::MAX_BODY_BYTES,
@@ -180,7 +196,10 @@ impl Limits {
 
     /// The most the webhook can hold with every bound reached at once (see [`Limits`]).
     pub fn worst_case_bytes(&self) -> usize {
-        BASELINE_BYTES + self.max_connections * self.connection_bytes() + 2 * self.body_budget_bytes
+        BASELINE_BYTES
+            + self.max_connections * self.connection_bytes()
+            + self.max_waiting * 2 * self.socket_receive_buffer_bytes as usize
+            + 2 * self.body_budget_bytes
     }
 }
 
@@ -209,7 +228,7 @@ impl ServerMetrics {
         );
         r.register(
             "fencedlease_webhook_connections_refused",
-            "Connections closed at once, unserved: server_full (max connections reached), peer_full (max connections from that address)",
+            "Connections closed unserved after waiting for a slot, or at once when too many wait: server_full (max connections reached), peer_full (max connections from that address)",
             m.refused.clone(),
         );
         r.register(
@@ -467,6 +486,7 @@ where
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum End {
     Idle,
+    HeaderTimeout,
     MaxAge,
     Shutdown,
 }
@@ -475,6 +495,7 @@ impl End {
     fn label(self) -> &'static str {
         match self {
             End::Idle => "idle",
+            End::HeaderTimeout => "header_timeout",
             End::MaxAge => "max_age",
             End::Shutdown => "shutdown",
         }
@@ -496,15 +517,43 @@ async fn idle(busy: &mut watch::Receiver<usize>, timeout: Duration) {
     }
 }
 
-/// When (and why) the server ends a connection that began at `born`.
+/// Completes once a request's first bytes (`arrived`, set by [`Noted`]) are
+/// `timeout` old and its headers are still not complete (no request in flight).
+async fn unfinished_headers(mut arrived: watch::Receiver<Option<Instant>>, timeout: Duration) {
+    loop {
+        let first = *arrived.borrow_and_update();
+        let changed = match first {
+            Some(at) => tokio::select! {
+                biased;
+                changed = arrived.changed() => changed,
+                _ = tokio::time::sleep_until(at + timeout) => return,
+            },
+            None => arrived.changed().await,
+        };
+        if changed.is_err() {
+            std::future::pending::<()>().await; // the connection is gone
+        }
+    }
+}
+
+/// When (and why) the server ends a connection that began at `born`; `arrived` is for HTTP/1
+/// (a request's first bytes, for the header timeout).
 async fn until_end(
     mut busy: watch::Receiver<usize>,
+    arrived: Option<watch::Receiver<Option<Instant>>>,
     stop: CancellationToken,
     limits: &Limits,
     born: Instant,
 ) -> End {
+    let headers = async {
+        match arrived {
+            Some(a) => unfinished_headers(a, limits.header_read_timeout).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         _ = idle(&mut busy, limits.idle_timeout) => End::Idle,
+        () = headers => End::HeaderTimeout,
         _ = tokio::time::sleep_until(born + limits.max_connection_age) => End::MaxAge,
         () = stop.cancelled() => End::Shutdown,
     }
@@ -514,9 +563,74 @@ async fn until_end(
 struct Busy(Arc<watch::Sender<usize>>);
 
 impl Busy {
-    fn enter(busy: &Arc<watch::Sender<usize>>) -> Busy {
+    /// A request began: its headers are complete, so no header deadline runs.
+    fn enter(busy: &Arc<watch::Sender<usize>>, arrived: &watch::Sender<Option<Instant>>) -> Busy {
         busy.send_modify(|n| *n += 1);
+        arrived.send_if_modified(|at| at.take().is_some());
         Busy(busy.clone())
+    }
+}
+
+/// A connection's stream that notes when bytes arrive while no request is in flight: the first
+/// bytes of a request, from which its headers must be complete within the header timeout. (hyper's
+/// own HTTP/1 header timeout also runs while a keep-alive connection waits for its next request,
+/// which closed idle connections the API server was about to use.)
+struct Noted<T> {
+    inner: T,
+    busy: Arc<watch::Sender<usize>>,
+    arrived: Arc<watch::Sender<Option<Instant>>>,
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Noted<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before && *self.busy.borrow() == 0 {
+            self.arrived.send_if_modified(|at| {
+                let first = at.is_none();
+                if first {
+                    *at = Some(Instant::now());
+                }
+                first
+            });
+        }
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Noted<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
     }
 }
 
@@ -531,6 +645,8 @@ impl Drop for Busy {
 struct PeerSlots {
     max: usize,
     open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    /// Woken whenever a slot is given back, for connections waiting for one.
+    freed: Arc<Notify>,
 }
 
 /// A peer's slot, given back when dropped.
@@ -544,6 +660,21 @@ impl PeerSlots {
         PeerSlots {
             max,
             open: Arc::default(),
+            freed: Arc::default(),
+        }
+    }
+
+    /// A slot for `ip`, waiting for one to be given back until `deadline`.
+    async fn take_by(&self, ip: IpAddr, deadline: Instant) -> Option<PeerSlot> {
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the check, so that a slot given back in between wakes it.
+            freed.as_mut().enable();
+            if let Some(slot) = self.take(ip) {
+                return Some(slot);
+            }
+            tokio::time::timeout_at(deadline, freed).await.ok()?;
         }
     }
 
@@ -570,6 +701,57 @@ impl Drop for PeerSlot {
             if *n == 0 {
                 open.remove(&self.ip);
             }
+        }
+        drop(open);
+        self.slots.freed.notify_waiters();
+    }
+}
+
+/// Where a connection gets its slots: the server's and its peer's.
+#[derive(Clone)]
+struct Gate {
+    slots: Arc<Semaphore>,
+    peers: PeerSlots,
+    wait: Duration,
+    open: Gauge,
+}
+
+impl Gate {
+    /// Both slots at once, or the bound that is full.
+    fn now(&self, ip: IpAddr) -> Result<Slot, &'static str> {
+        let peer = self.peers.take(ip).ok_or("peer_full")?;
+        let server = self
+            .slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "server_full")?;
+        Ok(self.slot(server, peer))
+    }
+
+    /// Both slots, waiting up to [`Limits::slot_wait`] (the peer's first), or the bound that
+    /// stayed full; `Err("shutdown")` if the server stops meanwhile.
+    async fn by(&self, ip: IpAddr, stop: &CancellationToken) -> Result<Slot, &'static str> {
+        let deadline = Instant::now() + self.wait;
+        let take = async {
+            let peer = self.peers.take_by(ip, deadline).await.ok_or("peer_full")?;
+            let server = tokio::time::timeout_at(deadline, self.slots.clone().acquire_owned())
+                .await
+                .map_err(|_| "server_full")?
+                .map_err(|_| "shutdown")?;
+            Ok(self.slot(server, peer))
+        };
+        tokio::select! {
+            taken = take => taken,
+            _ = stop.cancelled() => Err("shutdown"),
+        }
+    }
+
+    fn slot(&self, server: OwnedSemaphorePermit, peer: PeerSlot) -> Slot {
+        self.open.inc();
+        Slot {
+            _server: server,
+            _peer: peer,
+            open: self.open.clone(),
         }
     }
 }
@@ -602,7 +784,8 @@ fn http_builder(limits: &Limits, h2: bool) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        // Ours, from a request's first byte (`Noted`): hyper's runs on idle connections too.
+        .header_read_timeout(None)
         .max_buf_size((limits.max_header_bytes as usize).max(8 * KIB))
         .keep_alive(true);
     b.http2()
@@ -646,9 +829,16 @@ async fn connection(
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
     let (busy_tx, busy_rx) = watch::channel(0usize);
     let busy = Arc::new(busy_tx);
+    let (arrived_tx, arrived_rx) = watch::channel(None);
+    let arrived = Arc::new(arrived_tx);
+    let io = Noted {
+        inner: tls,
+        busy: busy.clone(),
+        arrived: arrived.clone(),
+    };
     let app = TowerToHyperService::new(ctx.app.clone());
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-        let busy = Busy::enter(&busy);
+        let busy = Busy::enter(&busy, &arrived);
         let answer = app.call(req);
         async move {
             let answered = answer.await;
@@ -657,11 +847,12 @@ async fn connection(
         }
     });
     let builder = if h2 { &ctx.h2 } else { &ctx.h1 };
-    let conn = builder.serve_connection(TokioIo::new(tls), service);
+    let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
+    let arrived = (!h2).then_some(arrived_rx);
     let end = tokio::select! {
         done = conn.as_mut() => return ended(&ctx.metrics, peer, done),
-        end = until_end(busy_rx, stop, limits, born) => end,
+        end = until_end(busy_rx, arrived, stop, limits, born) => end,
     };
     debug!(%peer, reason = end.label(), "ending the connection");
     ctx.metrics.closed(end.label());
@@ -713,7 +904,15 @@ pub async fn serve(
 ) {
     let max = limits.max_connections.min(Semaphore::MAX_PERMITS);
     let slots = Arc::new(Semaphore::new(max));
-    let peers = PeerSlots::new(limits.max_connections_per_peer);
+    let gate = Gate {
+        slots: slots.clone(),
+        peers: PeerSlots::new(limits.max_connections_per_peer),
+        wait: limits.slot_wait,
+        open: metrics.open.clone(),
+    };
+    let waiting = Arc::new(Semaphore::new(
+        limits.max_waiting.min(Semaphore::MAX_PERMITS),
+    ));
     let ctx = Arc::new(Ctx {
         acceptor: tokio_rustls::TlsAcceptor::from(tls),
         app,
@@ -736,32 +935,31 @@ pub async fn serve(
                 }
             },
         };
-        let Ok(server) = slots.clone().try_acquire_owned() else {
-            ctx.metrics.refused("server_full");
-            continue; // dropping the connection closes it
-        };
-        let Some(peer_slot) = peers.take(peer.ip()) else {
-            ctx.metrics.refused("peer_full");
-            continue;
-        };
-        ctx.metrics.open.inc();
-        let slot = Slot {
-            _server: server,
-            _peer: peer_slot,
-            open: ctx.metrics.open.clone(),
-        };
         // The API server waits on every answer: no Nagle delay on a reply that goes out in
         // more than one write (HTTP/2 headers and data frames).
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(%peer, error = %e, "could not set TCP_NODELAY");
         }
-        tokio::spawn(connection(
-            tcp,
-            peer,
-            ctx.clone(),
-            connections.clone(),
-            slot,
-        ));
+        let stop = connections.clone();
+        match gate.now(peer.ip()) {
+            Ok(slot) => {
+                tokio::spawn(connection(tcp, peer, ctx.clone(), stop, slot));
+            }
+            Err(full) => match waiting.clone().try_acquire_owned() {
+                Ok(waiter) => {
+                    let (gate, ctx) = (gate.clone(), ctx.clone());
+                    tokio::spawn(async move {
+                        let slot = gate.by(peer.ip(), &stop).await;
+                        drop(waiter);
+                        match slot {
+                            Ok(slot) => connection(tcp, peer, ctx, stop, slot).await,
+                            Err(reason) => ctx.metrics.refused(reason),
+                        }
+                    });
+                }
+                Err(_) => ctx.metrics.refused(full), // dropping the connection closes it
+            },
+        }
     }
     drop(listener);
     let open = max - slots.available_permits();
