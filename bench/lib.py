@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import atexit
+import base64
 import calendar
 import http.client
 import json
@@ -352,9 +353,10 @@ def rand_suffix() -> str:
     return f"{random.getrandbits(32):08x}"
 
 
-def webhook_certs(outdir: Path) -> str:
-    """`fencedlease certs` for 127.0.0.1; returns the caBundle (base64)."""
-    r = subprocess.run([str(FENCEDLEASE), "certs", "--out", str(outdir), "--host", "127.0.0.1"],
+def webhook_certs(outdir: Path, hosts: list[str] | None = None) -> str:
+    """`fencedlease certs` for `hosts` (default 127.0.0.1); returns the caBundle (base64)."""
+    names = [a for h in (hosts or ["127.0.0.1"]) for a in ("--host", h)]
+    r = subprocess.run([str(FENCEDLEASE), "certs", "--out", str(outdir), *names],
                        capture_output=True, text=True, check=True)
     return r.stdout.strip()
 
@@ -412,10 +414,17 @@ def wait_webhook_effective(kube: Kube, ns: str) -> None:
 
 
 def start_webhook(name: str, logdir: Path, certdir: Path, cpus: str | None = None,
-                  extra_args: list[str] | None = None) -> tuple[Proc, int, int, str]:
-    bundle = webhook_certs(certdir)
+                  extra_args: list[str] | None = None, host: str = "127.0.0.1",
+                  cert_names: list[str] | None = None) -> tuple[Proc, int, int, str]:
+    """`fencedlease webhook` on host:PORT with a certificate for `cert_names` (default: the
+    host), its metrics on 127.0.0.1; (process, port, metrics port, caBundle). With certificates
+    in certdir already (a second replica), it serves those."""
+    if (certdir / "tls.crt").exists():
+        bundle = base64.b64encode((certdir / "ca.crt").read_bytes()).decode()
+    else:
+        bundle = webhook_certs(certdir, cert_names or [host])
     port, mport = free_port(), free_port()
-    p = Proc(name, [str(FENCEDLEASE), "webhook", "--listen", f"127.0.0.1:{port}",
+    p = Proc(name, [str(FENCEDLEASE), "webhook", "--listen", f"{host}:{port}",
                     "--tls-cert", str(certdir / "tls.crt"), "--tls-key", str(certdir / "tls.key"),
                     "--metrics-addr", f"127.0.0.1:{mport}", *(extra_args or [])],
              logdir, env={"KUBECONFIG": str(kubeconfig()), "RUST_LOG": "warn"}, cpus=cpus)

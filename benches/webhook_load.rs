@@ -18,9 +18,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
-use std::io::{Read, Write};
+#[path = "support/https1.rs"]
+mod https1;
+
+use https1::{connect, find, summary, Conn, Error};
 
 struct Args {
     addr: String,
@@ -89,81 +90,10 @@ fn parse_args() -> Result<Option<Args>, String> {
 /// One request's outcome: (due offset, sent offset, done offset) in ns since start, ok?
 type Sample = (u64, u64, u64, bool);
 
-struct Conn {
-    tls: rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>,
-    buf: Vec<u8>,
-}
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
-
-fn connect(addr: &str, cfg: &Arc<rustls::ClientConfig>) -> Result<Conn, Error> {
-    let tcp = std::net::TcpStream::connect(addr)?;
-    tcp.set_nodelay(true)?;
-    let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr);
-    let name = ServerName::try_from(host.to_string())?;
-    let conn = rustls::ClientConnection::new(cfg.clone(), name)?;
-    Ok(Conn {
-        tls: rustls::StreamOwned::new(conn, tcp),
-        buf: Vec::with_capacity(8192),
-    })
-}
-
-fn find(h: &[u8], needle: &[u8]) -> Option<usize> {
-    h.windows(needle.len()).position(|w| w == needle)
-}
-
 /// Sends one request and reads one response; Ok(true) if it was 200 and allowed.
 fn roundtrip(c: &mut Conn, request: &[u8]) -> std::io::Result<bool> {
-    c.tls.write_all(request)?;
-    c.tls.flush()?;
-    c.buf.clear();
-    let mut chunk = [0u8; 8192];
-    loop {
-        if let Some(end) = find(&c.buf, b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&c.buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .ok_or_else(|| std::io::Error::other("response without content-length"))?;
-            while c.buf.len() < end + 4 + len {
-                let n = c.tls.read(&mut chunk)?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                c.buf.extend_from_slice(&chunk[..n]);
-            }
-            let ok = head.starts_with("http/1.1 200")
-                && find(&c.buf[end + 4..end + 4 + len], b"\"allowed\":true").is_some();
-            return Ok(ok);
-        }
-        let n = c.tls.read(&mut chunk)?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        c.buf.extend_from_slice(&chunk[..n]);
-    }
-}
-
-fn pct(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (p / 100.0 * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)] as f64 / 1000.0
-}
-
-fn summary(mut v: Vec<u64>) -> serde_json::Value {
-    v.sort_unstable();
-    let mean = if v.is_empty() {
-        f64::NAN
-    } else {
-        v.iter().map(|x| *x as f64).sum::<f64>() / v.len() as f64 / 1000.0
-    };
-    serde_json::json!({
-        "p50_us": pct(&v, 50.0), "p90_us": pct(&v, 90.0), "p99_us": pct(&v, 99.0),
-        "p999_us": pct(&v, 99.9), "max_us": pct(&v, 100.0), "mean_us": mean,
-    })
+    let r = c.roundtrip(request)?;
+    Ok(r.status == 200 && find(&r.body, b"\"allowed\":true").is_some())
 }
 
 fn main() -> std::process::ExitCode {
@@ -197,19 +127,7 @@ fn sleep_until(at: Instant) {
 }
 
 fn run(args: Args) -> Result<(), Error> {
-    let ca = std::fs::read(&args.ca)?;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(&ca) {
-        roots.add(c?)?;
-    }
-    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let cfg = Arc::new(cfg);
+    let cfg = https1::client_config(&std::fs::read(&args.ca)?)?;
     let body = std::fs::read(&args.body)?;
     let mut request = format!(
         "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\n\r\n",
