@@ -39,6 +39,41 @@ def criterion(dir_: Path) -> dict:
     return out
 
 
+def webhook_concurrent(d: dict | None, md: list[str], summary: dict, verdict) -> None:
+    """The webhook at concurrency (issue 21): a row per (replicas, writers), and the verdict on
+    the largest number of writers with one replica."""
+    if not d:
+        return
+    md.append("\n### The webhook at concurrency\n\nW writers at once through the API server, the "
+              "webhook registered by a Service (HTTP/1.1 from the API server); ms.\n")
+    md.append("| replicas | writers | writes/s | allowed p50 / p99 / p99.9 | plain p50 / p99 / p99.9 | "
+              "refused p50 / p99 | added p50 / p99 (95 % interval) | refused added p99 | failed | "
+              "reviews per replica | API server's call p50 / p99 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in d["runs"]:
+        m, a, call = r["ms"], r["added_ms"], r["apiserver_webhook_call_ms"]
+        ci = r["added_p99_ci95_ms"]
+        failed = sum(r["failed"].values())
+        md.append(f"| {r['replicas']} | {r['writers']} | {r['writes_per_s']:.0f} | "
+                  f"{m['protected']['p50']:.2f} / {m['protected']['p99']:.2f} / {m['protected']['p999']:.2f} | "
+                  f"{m['plain']['p50']:.2f} / {m['plain']['p99']:.2f} / {m['plain']['p999']:.2f} | "
+                  f"{m['stale']['p50']:.2f} / {m['stale']['p99']:.2f} | "
+                  f"{a['p50']:.2f} / {a['p99']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {r['refused_added_ms']['p99']:.2f} | "
+                  f"{failed} | {', '.join(str(int(x)) for x in r['reviews_per_replica'])} | "
+                  f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} |")
+        rows.append({"replicas": r["replicas"], "writers": r["writers"], "failed": failed,
+                     "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
+                     "added_p99_ci95_ms": [r3(x) for x in ci]})
+    summary["webhook_concurrent"] = rows
+    top = max(rows, key=lambda x: (x["writers"], -x["replicas"]))
+    verdict(f"webhook through the API server with {top['writers']} writers: added p99 < 3 ms on the allow "
+            "path (fresh read), no failed writes",
+            top["writers"] >= 64 and top["added_ms"]["p99"] < 3 and top["failed"] == 0,
+            f"added p99 {top['added_ms']['p99']:.2f} ms (95 % {top['added_p99_ci95_ms'][0]:.2f}-"
+            f"{top['added_p99_ci95_ms'][1]:.2f}), {top['replicas']} replica(s), {top['failed']} failed",
+            "" if top["writers"] >= 64 else "fewer than 64 writers: not the target's size")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
@@ -591,6 +626,8 @@ def main() -> None:
                     d[OURS]["leases"] >= 1000 and share <= 0.40,
                     f"{share * 100:.0f} % ({d[OURS]['requests_per_s']:.1f} vs {d[PEER]['requests_per_s']:.1f} requests/s)",
                     "" if d[OURS]["leases"] >= 1000 else "fewer than 1,000 leases: not the target's size")
+
+    webhook_concurrent(load(run, "webhook-concurrent"), md, summary, verdict)
 
     summary["verdicts"] = verdicts
     md.append("\n### Verdicts\n\n| target | met | measured | note |\n|---|---|---|---|")

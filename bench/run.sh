@@ -25,6 +25,9 @@
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load (reviews/s per core, p50/p99)
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
+#   webhook-concurrent W writers at once through the API server (16 and 64; quick: 4 and 16),
+#                      allowed, plain and refused writes, the webhook registered by a Service
+#                      (HTTP/1.1 from the API server), one and two replicas
 #   policy-apiserver   the same update three ways in one run: no fencing, the webhook, the policy
 #                      (policy mode, issue 18): added latency, client side and the API server's own
 #   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
@@ -40,7 +43,8 @@
 # --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
 #   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
 #   failover-podgone, 16 more for policy-apiserver and policy-scale, about 10 more for
-#   failover-load-kill and failover-load-stop).
+#   failover-load-kill and failover-load-stop, about 8
+#   more for webhook-concurrent).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
@@ -83,7 +87,7 @@ for a in "$@"; do
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
   failover-load-stop apiload webhook-server
-  webhook-apiserver policy-apiserver policy-scale controller-scale footprint many-leases)
+  webhook-apiserver webhook-concurrent policy-apiserver policy-scale controller-scale footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -144,10 +148,12 @@ for line in open(sys.argv[1]):
 LOADER=$(bench_exe webhook_load)
 DECISION=$(bench_exe webhook_decision)
 MANY=$(bench_exe many_leases)
-[ -n "$LOADER" ] && [ -n "$DECISION" ] && [ -n "$MANY" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
+WRITERS=$(bench_exe apiserver_writers)
+[ -n "$LOADER" ] && [ -n "$DECISION" ] && [ -n "$MANY" ] && [ -n "$WRITERS" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
 cp "$DECISION" "$FL_BENCH_CACHE/webhook_decision"
 cp "$LOADER" "$FL_BENCH_CACHE/webhook_load"
 cp "$MANY" "$FL_BENCH_CACHE/many_leases"
+cp "$WRITERS" "$FL_BENCH_CACHE/apiserver_writers"
 # The peer: client-go's leader-election example of the same release (bench/build-peer.sh).
 FL_BENCH_PEER="$("$HERE/build-peer.sh" "$BENCH_K8S")"
 export FL_BENCH_PEER FL_BENCH_PEER_VERSION="$BENCH_K8S"
@@ -225,6 +231,7 @@ if [ "$MODE" = full ]; then
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --rates 1000 5000 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
+  WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
@@ -240,6 +247,7 @@ else
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --rates 1000 5000)
   WHA=(--updates 50 --updates-warmup 10)
+  WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2)
@@ -281,6 +289,7 @@ for n in "${NAMES[@]}"; do
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
+    webhook-concurrent) bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;

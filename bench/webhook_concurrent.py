@@ -1,0 +1,238 @@
+"""The webhook at concurrency (issue 21): W writers at once through the API server, each with
+its own connection and its own ConfigMaps, each writing in turn a protected one (current token:
+allowed, after the webhook's fresh read of the lease), a plain one (no webhook) and a stale one
+(its lease moved on: refused, 409). The writers are benches/apiserver_writers.rs (one thread per
+writer, blocking HTTPS/1.1), so that Python's interpreter is not what is timed.
+
+The webhook is registered as the chart registers it, by a Service: the API server then calls it
+over HTTP/1.1 (Kubernetes does so for Service references, to spread calls over replicas), one
+connection per call in flight, and, with --enable-aggregator-routing (as the bench cluster runs,
+having no kube-proxy), picks an endpoint of the Service for each call. The Service has no
+selector; one EndpointSlice per replica names this machine's non-loopback address and the
+replica's port. With 2 replicas the calls are spread over two webhook processes.
+
+Reported per (replicas, writers): each kind's p50/p90/p99/p99.9, the added latency (protected
+minus plain, refused minus plain, difference of the percentiles) with a 95 % bootstrap interval
+of the added p99, every status code counted (an answer other than the expected one is a failed
+write, counted, never dropped), the API server's own timing of its calls to the webhook, and
+how the calls were spread over the replicas (each replica's own admission counter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import lib
+from lib import CACHE, Kube, log, stats, step
+from webhook_bench import apiserver_webhook_histogram, bootstrap_ci, held_lease, webhook_call_ms
+
+WRITERS = Path(os.environ.get("FL_BENCH_WRITERS", CACHE / "apiserver_writers"))
+SERVICE = "fencedlease-bench-webhook"
+KINDS = ("protected", "plain", "stale")
+
+
+def host_address() -> str:
+    """This machine's address on the interface a packet to a non-local address would leave by
+    (no packet is sent): the API server must call the webhook at a non-loopback address, since
+    it keeps HTTP/2 for webhooks on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.254", 9))
+        addr = s.getsockname()[0]
+    if addr.startswith("127."):
+        raise SystemExit("this machine has no non-loopback IPv4 address for the webhook to "
+                         "listen on; the API server would speak HTTP/2 to a loopback one")
+    return addr
+
+
+def create_configmaps(kube: Kube, ns: str, writers: int, ann: dict, stale_ann: dict) -> None:
+    cms = f"/api/v1/namespaces/{ns}/configmaps"
+    for w in range(writers):
+        for kind, labels, a in (("protected", {"fencedlease.io/lease": "inventory"}, ann),
+                                ("plain", {}, ann),
+                                ("stale", {"fencedlease.io/lease": "moved"}, stale_ann)):
+            kube.request("POST", cms, {"apiVersion": "v1", "kind": "ConfigMap",
+                                       "metadata": {"name": f"{kind}-{w}", "annotations": a,
+                                                    "labels": labels},
+                                       "data": {"n": "0"}})
+
+
+def register_by_service(kube: Kube, ns: str, addr: str, ports: list[int], bundle: str) -> str:
+    """A selector-less Service with one EndpointSlice per replica, and the webhook registered by
+    that Service (as the chart does). Returns the configuration's name."""
+    kube.request("POST", f"/api/v1/namespaces/{ns}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE},
+        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": 443}]}})
+    for i, port in enumerate(ports):
+        kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{SERVICE}-{i}", "labels": {"kubernetes.io/service-name": SERVICE}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [addr], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})
+    name = f"fencedlease-bench-{ns}"
+    body = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "fencing.fencedlease.io", "admissionReviewVersions": ["v1"],
+            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+            "clientConfig": {"service": {"namespace": ns, "name": SERVICE, "port": 443,
+                                         "path": "/validate"}, "caBundle": bundle},
+            "namespaceSelector": {"matchLabels": {"fencedlease.io/bench-ns": ns}},
+            "objectSelector": {"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": ["configmaps"], "scope": "Namespaced"}]}]}
+    kube.request("POST", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", body)
+    return name
+
+
+def unregister(kube: Kube, ns: str, name: str) -> None:
+    kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}",
+                 ok=(200, 404))
+    kube.request("DELETE", f"/api/v1/namespaces/{ns}/services/{SERVICE}", ok=(200, 404))
+    kube.request("DELETE", f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+                 f"?labelSelector=kubernetes.io/service-name={SERVICE}", ok=(200, 404))
+
+
+COUNTERS = ("fencedlease_webhook_admissions_total", "fencedlease_webhook_connections_refused_total",
+            "fencedlease_webhook_connections_closed_total")
+
+
+def counters(mport: int) -> dict[str, float]:
+    """A replica's admissions, and its connections refused and closed by reason."""
+    text = lib.http_get(mport, "/metrics")
+    out = {}
+    for name in COUNTERS:
+        for labels, v in lib.metric_values(text, name).items():
+            out[name.removeprefix("fencedlease_webhook_").removesuffix("_total") + labels] = v
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def stats999(ms: list[float]) -> dict:
+    s = stats(ms)
+    if ms:
+        s["p999"] = lib.pct(ms, 99.9)
+    return s
+
+
+def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: dict,
+                work: Path, mports: list[int]) -> dict:
+    token = work / "token"
+    token.write_text(lib.admin_token())
+    out = work / f"writers-{len(mports)}-{writers}.json"
+    counts0 = [counters(p) for p in mports]
+    api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
+    argv = [str(WRITERS), "--server", f"https://127.0.0.1:{lib.API_PORT}", "--ca", str(lib.ca_file()),
+            "--token-file", str(token), "--namespace", ns, "--writers", str(writers),
+            "--writes", str(args.writes), "--warmup", str(args.warmup),
+            "--annotations", json.dumps(ann), "--stale-annotations", json.dumps(stale_ann),
+            "--out", str(out)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"apiserver_writers failed ({r.returncode}): {r.stderr[-2000:]}")
+    raw = json.loads(out.read_text())
+    api_after = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
+    per_replica = [delta(counters(p), c) for p, c in zip(mports, counts0)]
+    spread = [sum(v for k, v in r.items() if k.startswith("admissions")) for r in per_replica]
+    ms = {k: [v / 1e6 for v in raw["kinds"][k]["ns"]] for k in KINDS}
+    s = {k: stats999(ms[k]) for k in KINDS}
+    diff = {k: {q: s[k][q] - s["plain"][q] for q in ("p50", "p90", "p99", "p999", "mean")}
+            for k in ("protected", "stale")}
+    expected = {"protected": "200", "plain": "200", "stale": "409"}
+    failed = {k: sum(n for code, n in raw["kinds"][k]["status"].items() if code != expected[k])
+              for k in KINDS}
+    res = {"replicas": len(mports), "writers": writers, "writes_each": args.writes,
+           "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (args.writes + args.warmup) / raw["wall_s"],
+           "ms": s, "added_ms": diff["protected"], "refused_added_ms": diff["stale"],
+           "added_p99_ci95_ms": bootstrap_ci(ms["protected"], ms["plain"], 99),
+           "refused_added_p99_ci95_ms": bootstrap_ci(ms["stale"], ms["plain"], 99),
+           "status": {k: raw["kinds"][k]["status"] for k in KINDS}, "failed": failed,
+           "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
+           "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),
+           "reviews_per_replica": spread, "replica_counters": per_replica}
+    log(f"  {len(mports)} replica(s), {writers} writers: {res['writes_per_s']:.0f} writes/s; "
+        f"allowed p50 {s['protected']['p50']:.2f} p99 {s['protected']['p99']:.2f} ms, plain p50 "
+        f"{s['plain']['p50']:.2f} p99 {s['plain']['p99']:.2f} ms, refused p99 {s['stale']['p99']:.2f} ms; "
+        f"added p50 {diff['protected']['p50']:.2f} p99 {diff['protected']['p99']:.2f} ms "
+        f"(95 % {res['added_p99_ci95_ms'][0]:.2f}-{res['added_p99_ci95_ms'][1]:.2f}); failed {failed}; "
+        f"reviews per replica {[int(x) for x in spread]}; connections refused or closed: "
+        f"{[{k: int(v) for k, v in r.items() if not k.startswith('admissions')} for r in per_replica]}")
+    return res
+
+
+def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: dict,
+              work: Path, addr: str) -> list[dict]:
+    certs = work / "certs"
+    procs, ports, mports, bundle = [], [], [], ""
+    try:
+        for i in range(replicas):
+            p, port, mport, bundle = lib.start_webhook(
+                f"webhook-concurrent-{replicas}-{i}", work / "logs", certs, host=addr,
+                cert_names=[f"{SERVICE}.{ns}.svc"])
+            procs.append(p)
+            ports.append(port)
+            mports.append(mport)
+        name = register_by_service(kube, ns, addr, ports, bundle)
+        try:
+            lib.wait_webhook_effective(kube, ns)
+            runs = []
+            for writers in args.writers:
+                step(f"webhook at concurrency: {replicas} replica(s), {writers} writers x "
+                     f"{args.writes} rounds of 3 writes (+{args.warmup} warm-up)")
+                runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports))
+            return runs
+        finally:
+            unregister(kube, ns, name)
+    finally:
+        lib.stop_all(procs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--writers", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--writes", type=int, default=300, help="measured rounds per writer")
+    ap.add_argument("--warmup", type=int, default=10, help="warm-up rounds per writer")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one writers' run may take")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    kube = Kube()
+    lib.install_crd()
+    addr = host_address()
+    work = lib.WORK / f"webhook-concurrent-{lib.rand_suffix()}"
+    started = time.monotonic()
+    ns = f"bench-whc-{lib.rand_suffix()}"
+    kube.create_namespace(ns)
+    uid, gen = held_lease(kube, ns, "inventory")
+    ann = {"fencedlease.io/token": str(gen), "fencedlease.io/lease-uid": uid}
+    old_uid, old_gen = held_lease(kube, ns, "moved")
+    stale_ann = {"fencedlease.io/token": str(old_gen), "fencedlease.io/lease-uid": old_uid}
+    step(f"creating {3 * max(args.writers)} ConfigMaps (protected, plain, stale per writer)")
+    create_configmaps(kube, ns, max(args.writers), ann, stale_ann)
+    kube.request("PATCH", lib.fl_path(ns, "moved"), {"spec": {"holderIdentity": "worker-c"}},
+                 "application/merge-patch+json")
+    runs = []
+    for replicas in args.replicas:
+        runs += one_setup(args, kube, ns, replicas, ann, stale_ann, work / f"r{replicas}", addr)
+    failed = sum(sum(r["failed"].values()) for r in runs)
+    data = {"benchmark": "webhook-concurrent", "namespace": ns, "webhook_address": addr,
+            "registration": "service (HTTP/1.1 from the API server), endpoints resolved by the API server",
+            "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
+    lib.write_result(args.out, "webhook-concurrent", data)
+    if failed:
+        raise SystemExit(f"{failed} writes were not answered as expected (200, or 409 for a stale "
+                         f"token): see first_unexpected in {args.out}/webhook-concurrent.json")
+
+
+if __name__ == "__main__":
+    main()
