@@ -46,32 +46,36 @@ def webhook_concurrent(d: dict | None, md: list[str], summary: dict, verdict) ->
         return
     md.append("\n### The webhook at concurrency\n\nW writers at once through the API server, the "
               "webhook registered by a Service (HTTP/1.1 from the API server); ms.\n")
-    md.append("| replicas | writers | writes/s | allowed p50 / p99 / p99.9 | plain p50 / p99 / p99.9 | "
+    md.append("| replicas | writers | pace | writes/s | allowed p50 / p99 / p99.9 | plain p50 / p99 / p99.9 | "
               "refused p50 / p99 | added p50 / p99 (95 % interval) | refused added p99 | failed | "
-              "reviews per replica | API server's call p50 / p99 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+              "reviews per replica | API server's call p50 / p99 |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in d["runs"]:
         m, a, call = r["ms"], r["added_ms"], r["apiserver_webhook_call_ms"]
         ci = r["added_p99_ci95_ms"]
         failed = sum(r["failed"].values())
-        md.append(f"| {r['replicas']} | {r['writers']} | {r['writes_per_s']:.0f} | "
+        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        md.append(f"| {r['replicas']} | {r['writers']} | {pace} | {r['writes_per_s']:.0f} | "
                   f"{m['protected']['p50']:.2f} / {m['protected']['p99']:.2f} / {m['protected']['p999']:.2f} | "
                   f"{m['plain']['p50']:.2f} / {m['plain']['p99']:.2f} / {m['plain']['p999']:.2f} | "
                   f"{m['stale']['p50']:.2f} / {m['stale']['p99']:.2f} | "
                   f"{a['p50']:.2f} / {a['p99']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {r['refused_added_ms']['p99']:.2f} | "
                   f"{failed} | {', '.join(str(int(x)) for x in r['reviews_per_replica'])} | "
                   f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} |")
-        rows.append({"replicas": r["replicas"], "writers": r["writers"], "failed": failed,
+        rows.append({"replicas": r["replicas"], "writers": r["writers"], "rate": r.get("rate"), "failed": failed,
                      "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
                      "added_p99_ci95_ms": [r3(x) for x in ci]})
     summary["webhook_concurrent"] = rows
-    top = max(rows, key=lambda x: (x["writers"], -x["replicas"]))
+    top = max((x for x in rows if not x["rate"]), key=lambda x: (x["writers"], -x["replicas"]))
+    paced = [x for x in rows if x["rate"] and x["writers"] == top["writers"] and x["replicas"] == top["replicas"]]
     verdict(f"webhook through the API server with {top['writers']} writers: added p99 < 3 ms on the allow "
             "path (fresh read), no failed writes",
             top["writers"] >= 64 and top["added_ms"]["p99"] < 3 and top["failed"] == 0,
             f"added p99 {top['added_ms']['p99']:.2f} ms (95 % {top['added_p99_ci95_ms'][0]:.2f}-"
             f"{top['added_p99_ci95_ms'][1]:.2f}), {top['replicas']} replica(s), {top['failed']} failed",
-            "" if top["writers"] >= 64 else "fewer than 64 writers: not the target's size")
+            ("" if top["writers"] >= 64 else "fewer than 64 writers: not the target's size; ")
+            + (f"back to back (the API server saturated); paced at {paced[0]['rate']:g} writes/s in all: added p99 "
+               f"{paced[0]['added_ms']['p99']:.2f} ms" if paced else "back to back (the API server saturated)"))
 
 
 def main() -> None:
@@ -367,25 +371,36 @@ def main() -> None:
     if d:
         runs = []
         md.append("\n### Webhook server alone (webhook pinned to cpu 0, load generator on cpu 1)\n")
-        md.append("| mode | target/s | achieved/s | client p50 us | client p99 us | client p99.9 us | "
-                  "in-server p50 (bucket) | in-server p99 (bucket) | reviews per CPU-second |\n|---|---|---|---|---|---|---|---|---|")
+        md.append("| path | mode | target/s | achieved/s | client p50 us | client p99 us | client p99.9 us | "
+                  "in-server p50 (bucket) | in-server p99 (bucket) | reviews per CPU-second | not as expected | errors |"
+                  "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in d["runs"]:
             lat = r["latency"]
-            runs.append({"mode": r["mode"], "target_rps": r["target_rps"], "achieved_rps": round(r["achieved_rps"]),
+            path = r.get("path", "allowed (from the cache)")
+            unexpected = r.get("unexpected", r.get("not_allowed"))
+            runs.append({"path": path, "mode": r["mode"], "target_rps": r["target_rps"], "achieved_rps": round(r["achieved_rps"]),
                          "p50_us": r3(lat["p50_us"]), "p99_us": r3(lat["p99_us"]), "p999_us": r3(lat["p999_us"]),
                          "in_server_p99_le_s": r["in_server_p99_bucket_s"],
                          "reviews_per_cpu_second": round(r["reviews_per_cpu_second"] or 0),
-                         "errors": r["errors"], "not_allowed": r["not_allowed"], "connections": r["connections"]})
-            md.append(f"| {r['mode']} ({r['connections']} conns) | {r['target_rps'] or '-'} | {r['achieved_rps']:.0f} | "
+                         "errors": r["errors"], "unexpected": unexpected, "connections": r["connections"]})
+            in50, in99 = r["in_server_p50_bucket_s"], r["in_server_p99_bucket_s"]
+            md.append(f"| {path} | {r['mode']} ({r['connections']} conns) | {r['target_rps'] or '-'} | {r['achieved_rps']:.0f} | "
                       f"{lat['p50_us']:.0f} | {lat['p99_us']:.0f} | {lat['p999_us']:.0f} | "
-                      f"<= {r['in_server_p50_bucket_s'] * 1e6:.0f} us | <= {r['in_server_p99_bucket_s'] * 1e6:.0f} us | "
-                      f"{r['reviews_per_cpu_second'] or 0:.0f} |")
+                      f"<= {(in50 or 0) * 1e6:.0f} us | <= {(in99 or 0) * 1e6:.0f} us | "
+                      f"{r['reviews_per_cpu_second'] or 0:.0f} | {unexpected} | {r['errors']} |")
         summary["webhook_server"] = {"runs": runs, "rss_mib": round(d["webhook_rss_kib"] / 1024, 1)}
-        at5k = sorted((r for r in d["runs"] if r["target_rps"] == 5000), key=lambda r: r["latency"]["p99_us"])
-        if at5k:
+        at5k = sorted((r for r in d["runs"] if r["target_rps"] == 5000 and r.get("path", "refused") == "refused"),
+                      key=lambda r: r["latency"]["p99_us"])
+        if not at5k:
+            verdict("webhook p99 < 1 ms inside the server at 5,000 reviews/s", None,
+                    "not measurable since issue 14: every review waits for a read through the API server "
+                    "(the lease before an allow, the namespace's mode before a refusal); the decision "
+                    "alone is the criterion benchmark's")
+        else:
             r = at5k[len(at5k) // 2]  # the median run by p99 when repeated
-            worst_in = max(x["in_server_p99_bucket_s"] for x in at5k)
-            verdict("webhook p99 < 1 ms inside the server at 5,000 reviews/s",
+            worst_in = max(x["in_server_p99_bucket_s"] or 1 for x in at5k)
+            verdict("webhook p99 < 1 ms inside the server at 5,000 reviews/s (the path answered from the cache: "
+                    "a refusal; an allow reads the lease first)",
                     worst_in < 0.001 and r["achieved_rps"] > 4900,
                     f"inside the server (its histogram): p99 <= {worst_in * 1e6:.0f} us in every run at "
                     f"5,000/s; seen by the client (TLS, HTTP, scheduling): p50 {r['latency']['p50_us']:.0f} us, "

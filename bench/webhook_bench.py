@@ -1,11 +1,13 @@
 """Webhook benchmarks (issue 9, item 5), the two that need a running server:
 
 server  - `fencedlease webhook` alone under load, pinned to one core (taskset -c 0), with the
-          load generator (benches/webhook_load.rs) on the other core. Closed loop for the maximum
-          rate; open loop at fixed rates (1,000 and 5,000 reviews/s) for latency. The review is an
-          UPDATE of a protected ConfigMap with the current token (allowed, answered from the
-          lease cache: the common case). Also read: the server's own histogram
-          (fencedlease_webhook_admission_seconds) and its CPU time per review.
+          load generator (benches/webhook_load.rs) on the other core, for two reviews: an UPDATE
+          of a protected ConfigMap with the current token (allowed, after a fresh read of the
+          lease through the API server, issue 14) and one with the token of a lease that moved
+          on (refused from the cache, after a read of the namespace's fencing mode). Closed loop
+          for each one's maximum rate; open loops at fractions of it (0.5 and 0.8) for latency.
+          Also read: the server's own histogram (fencedlease_webhook_admission_seconds) and its
+          CPU time per review.
 apiserver - a protected ConfigMap update through the API server (so through the webhook)
           against the same update of an unlabelled ConfigMap (which the objectSelector keeps away
           from the webhook), interleaved one by one over one keep-alive connection; the added
@@ -88,7 +90,8 @@ def hist_quantile(before: dict, after: dict, q: float) -> float | None:
 
 
 HOOK = "fencing.fencedlease.io"
-# The webhook's connection limit per client address (Limits::max_connections_per_peer).
+# The loader's connections in open-loop runs (the webhook admits 48 from one address,
+# Limits::max_connections_per_peer).
 PER_PEER_CONNECTIONS = 8
 
 
@@ -137,25 +140,39 @@ def server(args, kube: Kube, work: Path) -> dict:
     ns = f"bench-wh-{lib.rand_suffix()}"
     kube.create_namespace(ns)
     uid, gen = held_lease(kube, ns, "inventory")
+    # The refused path: a review with the token of a lease that then moved on, refused from the
+    # cache (the token is below a generation the lease reached) without a read. An allowed
+    # review is answered only after a fresh read of the lease through the API server (issue 14).
+    old_uid, old_gen = held_lease(kube, ns, "moved")
+    kube.request("PATCH", lib.fl_path(ns, "moved"), {"spec": {"holderIdentity": "worker-c"}},
+                 "application/merge-patch+json")
     wh, port, mport, _ = lib.start_webhook("webhook-server", work / "logs", work / "certs", cpus="0")
-    body = work / "review.json"
-    body.write_bytes(review_body(ns, "inventory", uid, gen))
+    bodies = {"allowed": work / "allowed.json", "refused": work / "refused.json"}
+    bodies["allowed"].write_bytes(review_body(ns, "inventory", uid, gen))
+    bodies["refused"].write_bytes(review_body(ns, "moved", old_uid, old_gen))
     ca = work / "certs/ca.crt"
     runs = []
-    plan = [("closed", None, args.connections_closed)] + [
-        # 8: the webhook admits at most 8 connections from one address (src/webhook/server.rs,
-        # Limits::max_connections_per_peer) and closes the rest at once; this loader speaks
-        # HTTP/1.1, one request per connection at a time. The record's 64 was before that bound.
-        ("open", r, PER_PEER_CONNECTIONS) for r in args.rates for _ in range(args.repeat)]
+    # Connections: this loader speaks HTTP/1.1, one request per connection at a time, at most
+    # PER_PEER_CONNECTIONS, well within the webhook's bound per address.
+    # Each path's closed loop first (its most reviews/s); then open loops at fractions of it:
+    # every review now waits for a read through the API server (the lease, or the namespace's
+    # fencing mode before a refusal), so a fixed rate (the old 5,000/s) would only measure a
+    # growing backlog.
+    plan = [("closed", None, args.connections_closed, path) for path in ("refused", "allowed")] + [
+        ("open", f, PER_PEER_CONNECTIONS, path) for path in ("refused", "allowed")
+        for f in args.fractions for _ in range(args.repeat)]
+    most: dict[str, float] = {}
     try:
-        for mode, rate, conns in plan:
-            step(f"webhook server: {mode} loop" + (f" at {rate}/s" if rate else f", {conns} connections")
+        for mode, share, conns, path in plan:
+            rate = round(share * most[path]) if share else None
+            body = bodies[path]
+            step(f"webhook server, {path} path: {mode} loop" + (f" at {rate}/s" if rate else f", {conns} connections")
                  + f", {args.seconds} s (+{args.warmup} s warm-up)")
             before = lib.http_get(mport, "/metrics")
             cpu0 = cpu_seconds(wh.pid)
             argv = ["taskset", "-c", "1", str(LOADER), "--url", f"https://127.0.0.1:{port}/validate",
                     "--ca", str(ca), "--body", str(body), "--seconds", str(args.seconds),
-                    "--warmup", str(args.warmup), "--connections", str(conns)]
+                    "--warmup", str(args.warmup), "--connections", str(conns), "--expect", path]
             if rate:
                 argv += ["--rate", str(rate)]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + args.warmup + 60)
@@ -167,6 +184,9 @@ def server(args, kube: Kube, work: Path) -> dict:
             hb, ha = histogram(before), histogram(after)
             served = (sum(lib.metric_values(after, "fencedlease_webhook_admissions_total").values())
                       - sum(lib.metric_values(before, "fencedlease_webhook_admissions_total").values()))
+            res["path"] = path
+            if mode == "closed":
+                most[path] = res["achieved_rps"]
             res["server_cpu_s"] = cpu
             res["server_reviews_total"] = served  # includes the warm-up
             res["reviews_per_cpu_second"] = served / cpu if cpu > 0 else None
@@ -174,7 +194,7 @@ def server(args, kube: Kube, work: Path) -> dict:
             res["in_server_p99_bucket_s"] = hist_quantile(hb, ha, 0.99)
             lat = res["latency"]
             log(f"  {res['achieved_rps']:.0f} reviews/s, client-side p50 {lat['p50_us']:.0f} us "
-                f"p99 {lat['p99_us']:.0f} us, not allowed {res['not_allowed']}, errors {res['errors']}; "
+                f"p99 {lat['p99_us']:.0f} us, not as expected {res['unexpected']}, errors {res['errors']}; "
                 f"server {res['reviews_per_cpu_second'] or 0:.0f} reviews per CPU-second, in-server p99 "
                 f"<= {(res['in_server_p99_bucket_s'] or 0) * 1e6:.0f} us")
             runs.append(res)
@@ -315,7 +335,8 @@ def main() -> None:
     ap.add_argument("part", choices=["server", "apiserver"])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--warmup", type=float, default=3)
-    ap.add_argument("--rates", type=float, nargs="*", default=[1000, 5000])
+    ap.add_argument("--fractions", type=float, nargs="*", default=[0.5, 0.8],
+                    help="open-loop rates, as fractions of each path's closed-loop reviews/s")
     ap.add_argument("--connections-closed", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each open-loop rate")
     ap.add_argument("--updates", type=positive_int, default=1000,

@@ -126,15 +126,17 @@ def stats999(ms: list[float]) -> dict:
 
 
 def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: dict,
-                work: Path, mports: list[int]) -> dict:
+                work: Path, mports: list[int], rate: float | None) -> dict:
+    """One run of the writers: back to back (rate None) or paced at `rate` writes/s in all."""
     token = work / "token"
     token.write_text(lib.admin_token())
-    out = work / f"writers-{len(mports)}-{writers}.json"
+    writes = args.paced_writes if rate else args.writes
+    out = work / f"writers-{len(mports)}-{writers}-{rate or 'closed'}.json"
     counts0 = [counters(p) for p in mports]
     api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
     argv = [str(WRITERS), "--server", f"https://127.0.0.1:{lib.API_PORT}", "--ca", str(lib.ca_file()),
             "--token-file", str(token), "--namespace", ns, "--writers", str(writers),
-            "--writes", str(args.writes), "--warmup", str(args.warmup),
+            "--writes", str(writes), "--warmup", str(args.warmup), "--rate", str(rate or 0),
             "--annotations", json.dumps(ann), "--stale-annotations", json.dumps(stale_ann),
             "--out", str(out)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
@@ -151,8 +153,8 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     expected = {"protected": "200", "plain": "200", "stale": "409"}
     failed = {k: sum(n for code, n in raw["kinds"][k]["status"].items() if code != expected[k])
               for k in KINDS}
-    res = {"replicas": len(mports), "writers": writers, "writes_each": args.writes,
-           "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (args.writes + args.warmup) / raw["wall_s"],
+    res = {"replicas": len(mports), "writers": writers, "writes_each": writes, "rate": rate,
+           "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (writes + args.warmup) / raw["wall_s"],
            "ms": s, "added_ms": diff["protected"], "refused_added_ms": diff["stale"],
            "added_p99_ci95_ms": bootstrap_ci(ms["protected"], ms["plain"], 99),
            "refused_added_p99_ci95_ms": bootstrap_ci(ms["stale"], ms["plain"], 99),
@@ -160,7 +162,8 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
            "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
            "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),
            "reviews_per_replica": spread, "replica_counters": per_replica}
-    log(f"  {len(mports)} replica(s), {writers} writers: {res['writes_per_s']:.0f} writes/s; "
+    log(f"  {len(mports)} replica(s), {writers} writers, {f'paced at {rate:g}/s' if rate else 'back to back'}: "
+        f"{res['writes_per_s']:.0f} writes/s; "
         f"allowed p50 {s['protected']['p50']:.2f} p99 {s['protected']['p99']:.2f} ms, plain p50 "
         f"{s['plain']['p50']:.2f} p99 {s['plain']['p99']:.2f} ms, refused p99 {s['stale']['p99']:.2f} ms; "
         f"added p50 {diff['protected']['p50']:.2f} p99 {diff['protected']['p99']:.2f} ms "
@@ -187,9 +190,11 @@ def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: di
             lib.wait_webhook_effective(kube, ns)
             runs = []
             for writers in args.writers:
-                step(f"webhook at concurrency: {replicas} replica(s), {writers} writers x "
-                     f"{args.writes} rounds of 3 writes (+{args.warmup} warm-up)")
-                runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports))
+                for rate in [None] + ([args.paced_rate] if args.paced_rate else []):
+                    step(f"webhook at concurrency: {replicas} replica(s), {writers} writers x "
+                         f"{args.paced_writes if rate else args.writes} rounds of 3 writes (+{args.warmup} "
+                         f"warm-up), " + (f"paced at {rate:g} writes/s in all" if rate else "back to back"))
+                    runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports, rate))
             return runs
         finally:
             unregister(kube, ns, name)
@@ -203,6 +208,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--writes", type=int, default=300, help="measured rounds per writer")
     ap.add_argument("--warmup", type=int, default=10, help="warm-up rounds per writer")
+    ap.add_argument("--paced-rate", type=float,
+                    help="also a run with all writers together pacing to this many writes/s")
+    ap.add_argument("--paced-writes", type=int, default=100, help="measured rounds per writer when paced")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one writers' run may take")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -4,7 +4,10 @@
 //! token: allowed after the webhook's fresh read of the lease), `plain-I` (the same update, not
 //! labelled: no webhook) and `stale-I` (labelled, its lease moved on: refused, 409). Every
 //! writer starts at once (a barrier); each does `--warmup` rounds, then `--writes` measured
-//! rounds of the three, in a rotating order. Driven by `bench/webhook_bench.py concurrent`;
+//! rounds of the three, in a rotating order: back to back (closed loop, the most the API server
+//! takes), or with `--rate R` paced so that all writers together send R writes per second (a
+//! writer's round r starts at start + r x 3W/R, writers staggered evenly; a late round starts
+//! at once), to see the webhook's cost below saturation. Driven by `bench/webhook_bench.py concurrent`;
 //! without arguments (as in a plain `cargo bench`) it prints its usage and exits 0.
 //!
 //! Output (`--out F`): JSON with, per kind, every measured latency in nanoseconds and the count
@@ -24,7 +27,7 @@ const KINDS: [&str; 3] = ["protected", "plain", "stale"];
 
 const USAGE: &str = "usage: apiserver_writers --server https://127.0.0.1:PORT --ca CA.pem \
 --token-file F --namespace NS --writers W --writes N [--warmup N] --annotations JSON \
---stale-annotations JSON --out F.json";
+--stale-annotations JSON [--rate WRITES_PER_S] --out F.json";
 
 struct Args {
     addr: String,
@@ -36,6 +39,8 @@ struct Args {
     warmup: usize,
     annotations: serde_json::Value,
     stale_annotations: serde_json::Value,
+    /// Writes per second of all writers together; 0: back to back.
+    rate: f64,
     out: String,
 }
 
@@ -46,6 +51,7 @@ fn parse_args() -> Result<Option<Args>, String> {
     }
     let mut kv = BTreeMap::new();
     kv.insert("--warmup".to_string(), "10".to_string());
+    kv.insert("--rate".to_string(), "0".to_string());
     let mut it = raw.into_iter().filter(|a| a != "--bench");
     while let Some(flag) = it.next() {
         let v = it.next().ok_or(format!("{flag} needs a value"))?;
@@ -77,6 +83,9 @@ fn parse_args() -> Result<Option<Args>, String> {
         warmup: num("--warmup", take("--warmup")?)?,
         annotations: json("--annotations", take("--annotations")?)?,
         stale_annotations: json("--stale-annotations", take("--stale-annotations")?)?,
+        rate: take("--rate")?
+            .parse::<f64>()
+            .map_err(|e| format!("--rate: {e}"))?,
         out: take("--out")?,
     };
     if let Some(k) = kv.keys().next() {
@@ -117,11 +126,24 @@ fn request(a: &Args, w: usize, round: usize, kind: usize) -> Vec<u8> {
     .into_bytes()
 }
 
+/// When writer `w`'s round `round` is due, counted from the start, when paced.
+fn due(a: &Args, w: usize, round: usize) -> Option<std::time::Duration> {
+    (a.rate > 0.0).then(|| {
+        let interval = 3.0 * a.writers as f64 / a.rate;
+        let offset = interval * w as f64 / a.writers as f64;
+        std::time::Duration::from_secs_f64(offset + interval * round as f64)
+    })
+}
+
 fn writer(a: &Args, w: usize, cfg: &Arc<rustls::ClientConfig>, start: &Barrier) -> Seen {
     let mut seen = Seen::default();
     let mut conn = connect(&a.addr, cfg).ok();
     start.wait();
+    let began = Instant::now();
     for round in 0..a.warmup + a.writes {
+        if let Some(at) = due(a, w, round) {
+            std::thread::sleep(at.saturating_sub(began.elapsed()));
+        }
         for k in 0..3 {
             let kind = (round + k) % 3;
             let req = request(a, w, round, kind);
@@ -190,6 +212,7 @@ fn run(a: Args) -> Result<(), Error> {
     }
     let out = serde_json::json!({
         "writers": a.writers, "writes_each": a.writes, "warmup_rounds": a.warmup,
+        "rate": (a.rate > 0.0).then_some(a.rate),
         "wall_s": began.elapsed().as_secs_f64(), "kinds": kinds,
     });
     std::fs::write(&a.out, out.to_string())?;

@@ -32,12 +32,14 @@ struct Args {
     warmup: f64,
     rate: Option<f64>,
     connections: usize,
+    /// Whether the review must be allowed (`allowed`) or refused (`refused`).
+    expect_allowed: bool,
     out: Option<String>,
 }
 
 const USAGE: &str =
     "usage: webhook_load --url https://127.0.0.1:PORT/validate --ca CA.pem --body REVIEW.json \
-[--seconds 10] [--warmup 2] [--rate R] [--connections 16] [--out F.json]";
+[--seconds 10] [--warmup 2] [--rate R] [--connections 16] [--expect allowed|refused] [--out F.json]";
 
 fn parse_args() -> Result<Option<Args>, String> {
     let raw: Vec<String> = std::env::args().skip(1).collect();
@@ -53,6 +55,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         warmup: 2.0,
         rate: None,
         connections: 16,
+        expect_allowed: true,
         out: None,
     };
     let mut it = raw.into_iter();
@@ -78,6 +81,13 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--rate" => a.rate = Some(num(&v)?),
             "--connections" => a.connections = num(&v)? as usize,
             "--out" => a.out = Some(v),
+            "--expect" => {
+                a.expect_allowed = match v.as_str() {
+                    "allowed" => true,
+                    "refused" => false,
+                    _ => return Err(format!("--expect {v}: allowed or refused")),
+                }
+            }
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -90,10 +100,16 @@ fn parse_args() -> Result<Option<Args>, String> {
 /// One request's outcome: (due offset, sent offset, done offset) in ns since start, ok?
 type Sample = (u64, u64, u64, bool);
 
-/// Sends one request and reads one response; Ok(true) if it was 200 and allowed.
-fn roundtrip(c: &mut Conn, request: &[u8]) -> std::io::Result<bool> {
+/// Sends one request and reads one response; Ok(true) if it was 200 and allowed (or refused,
+/// when `allowed` is false), as expected.
+fn roundtrip(c: &mut Conn, request: &[u8], allowed: bool) -> std::io::Result<bool> {
     let r = c.roundtrip(request)?;
-    Ok(r.status == 200 && find(&r.body, b"\"allowed\":true").is_some())
+    let want: &[u8] = if allowed {
+        b"\"allowed\":true"
+    } else {
+        b"\"allowed\":false"
+    };
+    Ok(r.status == 200 && find(&r.body, want).is_some())
 }
 
 fn main() -> std::process::ExitCode {
@@ -143,10 +159,12 @@ fn run(args: Args) -> Result<(), Error> {
     let mut conns = Vec::new();
     for _ in 0..args.connections {
         let mut c = connect(&args.addr, &cfg)?;
-        if !roundtrip(&mut c, &request)? {
-            return Err(
-                "the webhook did not answer 200 with allowed=true to the body given".into(),
-            );
+        if !roundtrip(&mut c, &request, args.expect_allowed)? {
+            return Err(format!(
+                "the webhook did not answer 200 with allowed={} to the body given",
+                args.expect_allowed
+            )
+            .into());
         }
         conns.push(c);
     }
@@ -159,7 +177,7 @@ fn run(args: Args) -> Result<(), Error> {
     for mut c in conns {
         let request = request.clone();
         let next = next.clone();
-        let rate = args.rate;
+        let (rate, expect_allowed) = (args.rate, args.expect_allowed);
         threads.push(std::thread::spawn(move || {
             let mut samples: Vec<Sample> = Vec::with_capacity(1 << 16);
             let mut errors = 0u64;
@@ -184,7 +202,7 @@ fn run(args: Args) -> Result<(), Error> {
                     }
                 };
                 let sent = start.elapsed().as_nanos() as u64;
-                match roundtrip(&mut c, &request) {
+                match roundtrip(&mut c, &request, expect_allowed) {
                     Ok(ok) => {
                         let done = start.elapsed().as_nanos() as u64;
                         samples.push((due, sent, done, ok));
@@ -206,7 +224,7 @@ fn run(args: Args) -> Result<(), Error> {
         errors += e;
     }
     let measured: Vec<&Sample> = all.iter().filter(|s| s.0 >= warmup_ns).collect();
-    let not_allowed = measured.iter().filter(|s| !s.3).count();
+    let unexpected = measured.iter().filter(|s| !s.3).count();
     let from_due: Vec<u64> = measured.iter().map(|s| s.2 - s.0).collect();
     let service: Vec<u64> = measured.iter().map(|s| s.2 - s.1).collect();
     let first = measured.iter().map(|s| s.1).min().unwrap_or(0);
@@ -220,7 +238,8 @@ fn run(args: Args) -> Result<(), Error> {
         "seconds": args.seconds,
         "warmup_seconds": args.warmup,
         "requests": measured.len(),
-        "not_allowed": not_allowed,
+        "expect_allowed": args.expect_allowed,
+        "unexpected": unexpected,
         "errors": errors,
         "achieved_rps": if span_s > 0.0 { measured.len() as f64 / span_s } else { 0.0 },
         "latency": summary(from_due),
