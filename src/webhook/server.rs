@@ -228,7 +228,7 @@ impl ServerMetrics {
         );
         r.register(
             "fencedlease_webhook_connections_refused",
-            "Connections closed unserved after waiting for a slot, or at once when too many wait: server_full (max connections reached), peer_full (max connections from that address)",
+            "Connections closed unserved after waiting for a slot, or at once when too many wait: server_full (max connections reached), peer_full (max connections from that address), shutdown (the server stopped while it waited)",
             m.refused.clone(),
         );
         r.register(
@@ -879,6 +879,37 @@ fn ended(
     }
 }
 
+/// Serves an accepted connection: at once if both its slots are free; else, if fewer than
+/// [`Limits::max_waiting`] wait, once they are within [`Limits::slot_wait`]; else it is closed.
+fn admit(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    gate: &Gate,
+    waiting: &Arc<Semaphore>,
+    ctx: &Arc<Ctx>,
+    stop: CancellationToken,
+) {
+    match gate.now(peer.ip()) {
+        Ok(slot) => {
+            tokio::spawn(connection(tcp, peer, ctx.clone(), stop, slot));
+        }
+        Err(full) => match waiting.clone().try_acquire_owned() {
+            Ok(waiter) => {
+                let (gate, ctx) = (gate.clone(), ctx.clone());
+                tokio::spawn(async move {
+                    let slot = gate.by(peer.ip(), &stop).await;
+                    drop(waiter);
+                    match slot {
+                        Ok(slot) => connection(tcp, peer, ctx, stop, slot).await,
+                        Err(reason) => ctx.metrics.refused(reason),
+                    }
+                });
+            }
+            Err(_) => ctx.metrics.refused(full), // dropping the connection closes it
+        },
+    }
+}
+
 /// Binds the HTTPS listener, every accepted socket with the receive buffer of `limits`.
 pub fn bind(addr: SocketAddr, limits: &Limits) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
@@ -940,26 +971,7 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(%peer, error = %e, "could not set TCP_NODELAY");
         }
-        let stop = connections.clone();
-        match gate.now(peer.ip()) {
-            Ok(slot) => {
-                tokio::spawn(connection(tcp, peer, ctx.clone(), stop, slot));
-            }
-            Err(full) => match waiting.clone().try_acquire_owned() {
-                Ok(waiter) => {
-                    let (gate, ctx) = (gate.clone(), ctx.clone());
-                    tokio::spawn(async move {
-                        let slot = gate.by(peer.ip(), &stop).await;
-                        drop(waiter);
-                        match slot {
-                            Ok(slot) => connection(tcp, peer, ctx, stop, slot).await,
-                            Err(reason) => ctx.metrics.refused(reason),
-                        }
-                    });
-                }
-                Err(_) => ctx.metrics.refused(full), // dropping the connection closes it
-            },
-        }
+        admit(tcp, peer, &gate, &waiting, &ctx, connections.clone());
     }
     drop(listener);
     let open = max - slots.available_permits();
