@@ -484,6 +484,32 @@ async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
     srv.stop().await;
 }
 
+/// A connection that finishes TLS and never sends a request meets the header timeout, as a
+/// slow one does, and is dropped at once (no request is in flight to wait for).
+#[tokio::test]
+async fn a_silent_http1_connection_is_closed_at_the_header_timeout() {
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_secs(5),
+        shutdown_grace: Duration::from_secs(5),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut silent = srv.tls_from("127.0.0.1", b"http/1.1").await;
+    let t0 = Instant::now();
+    assert!(
+        closed_by(&mut silent, t0 + Duration::from_millis(1500)).await,
+        "a silent HTTP/1 connection outlived the header timeout"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "closed before the header timeout"
+    );
+    assert_eq!(srv.closed("header_timeout"), 1.0);
+    assert_eq!(srv.closed("grace_expired"), 0.0);
+    srv.stop().await;
+}
+
 #[tokio::test]
 async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_flow() {
     let limits = Limits {

@@ -415,6 +415,17 @@ impl Shared {
     }
 }
 
+/// The refusal of a body that was not read whole, with `Connection: close`: what is left of it
+/// would otherwise arrive after the answer, as if it began the connection's next request.
+fn unread_body_response(e: &server::BodyError) -> Response {
+    let mut r = review_response(&e.review());
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
 fn review_response(review: &impl serde::Serialize) -> Response {
     match serde_json::to_vec(review) {
         Ok(body) => (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
@@ -462,7 +473,7 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
     // The guard keeps the body's bytes counted in the shared budget until the answer is sent.
     let (answer, label) = match server::read_body_bounded(body, &s.budget).await {
-        Err(e) => (review_response(&e.review()), "invalid"),
+        Err(e) => (unread_body_response(&e), "invalid"),
         Ok((bytes, guard)) => {
             let (review, label) = s.validate_body(&bytes).await;
             drop(bytes);
@@ -480,7 +491,7 @@ async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
 async fn mutate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
     let (answer, label) = match server::read_body_bounded(body, &s.budget).await {
-        Err(e) => (review_response(&e.review()), "invalid"),
+        Err(e) => (unread_body_response(&e), "invalid"),
         Ok((bytes, guard)) => {
             let (review, label) = inject::review(&bytes, &s.inject);
             drop(bytes);

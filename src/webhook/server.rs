@@ -37,7 +37,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -640,17 +640,18 @@ impl Drop for Busy {
     }
 }
 
-/// The connection slots of each peer address.
+/// The connection slots of each peer address: a semaphore per address, so that a slot given
+/// back goes to the connection that has waited longest (tokio's semaphore is fair, and a new
+/// connection's `try_acquire` cannot take a slot a waiting one was given).
 #[derive(Clone, Debug)]
 struct PeerSlots {
     max: usize,
-    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    /// Woken whenever a slot is given back, for connections waiting for one.
-    freed: Arc<Notify>,
+    peers: Arc<Mutex<HashMap<IpAddr, Arc<Semaphore>>>>,
 }
 
 /// A peer's slot, given back when dropped.
 struct PeerSlot {
+    permit: Option<OwnedSemaphorePermit>,
     ip: IpAddr,
     slots: PeerSlots,
 }
@@ -659,51 +660,74 @@ impl PeerSlots {
     fn new(max: usize) -> PeerSlots {
         PeerSlots {
             max,
-            open: Arc::default(),
-            freed: Arc::default(),
+            peers: Arc::default(),
         }
     }
 
-    /// A slot for `ip`, waiting for one to be given back until `deadline`.
-    async fn take_by(&self, ip: IpAddr, deadline: Instant) -> Option<PeerSlot> {
-        loop {
-            let freed = self.freed.notified();
-            tokio::pin!(freed);
-            // Registered before the check, so that a slot given back in between wakes it.
-            freed.as_mut().enable();
-            if let Some(slot) = self.take(ip) {
-                return Some(slot);
-            }
-            tokio::time::timeout_at(deadline, freed).await.ok()?;
-        }
-    }
-
-    fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
+    /// The semaphore of `ip`, made on first use.
+    fn of(&self, ip: IpAddr) -> (IpAddr, Arc<Semaphore>) {
         let ip = ip.to_canonical(); // an IPv4 peer on a dual-stack socket is still that peer
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.get(&ip).copied().unwrap_or(0);
-        if n >= self.max {
-            return None;
-        }
-        open.insert(ip, n + 1);
-        Some(PeerSlot {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let max = self.max.min(Semaphore::MAX_PERMITS);
+        let sem = peers
+            .entry(ip)
+            .or_insert_with(|| Arc::new(Semaphore::new(max)));
+        (ip, sem.clone())
+    }
+
+    fn slot(&self, ip: IpAddr, permit: OwnedSemaphorePermit) -> PeerSlot {
+        PeerSlot {
+            permit: Some(permit),
             ip,
             slots: self.clone(),
-        })
+        }
+    }
+
+    /// A slot for `ip` now, if one is free and no connection of `ip` waits for one.
+    fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
+        let (ip, sem) = self.of(ip);
+        let permit = sem.clone().try_acquire_owned().ok();
+        let slot = permit.map(|p| self.slot(ip, p));
+        if slot.is_none() {
+            self.forget_if_unused(ip, sem);
+        }
+        slot
+    }
+
+    /// A slot for `ip`, waiting (in turn) for one to be given back until `deadline`.
+    async fn take_by(&self, ip: IpAddr, deadline: Instant) -> Option<PeerSlot> {
+        let (ip, sem) = self.of(ip);
+        let permit = tokio::time::timeout_at(deadline, sem.clone().acquire_owned()).await;
+        match permit {
+            Ok(Ok(p)) => Some(self.slot(ip, p)),
+            _ => {
+                self.forget_if_unused(ip, sem);
+                None
+            }
+        }
+    }
+
+    /// Drops `ip`'s semaphore from the map once nobody holds or waits for a slot of it, so
+    /// that the map holds only addresses with connections.
+    fn forget_if_unused(&self, ip: IpAddr, sem: Arc<Semaphore>) {
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        // Two references: the map's and `sem`; a waiter holds a third while it waits.
+        if sem.available_permits() == self.max.min(Semaphore::MAX_PERMITS)
+            && Arc::strong_count(&sem) == 2
+        {
+            peers.remove(&ip);
+        }
     }
 }
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut open = self.slots.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
+        // The semaphore outlives the permit: take it before the permit goes.
+        let sem = self.permit.as_ref().map(|p| p.semaphore().clone());
+        drop(self.permit.take());
+        if let Some(sem) = sem {
+            self.slots.forget_if_unused(self.ip, sem);
         }
-        drop(open);
-        self.slots.freed.notify_waiters();
     }
 }
 
@@ -741,8 +765,9 @@ impl Gate {
             Ok(self.slot(server, peer))
         };
         tokio::select! {
-            taken = take => taken,
+            biased;
             _ = stop.cancelled() => Err("shutdown"),
+            taken = take => taken,
         }
     }
 
@@ -815,6 +840,9 @@ async fn connection(
     slot: Slot,
 ) {
     let _slot = slot;
+    if stop.is_cancelled() {
+        return ctx.metrics.closed("shutdown"); // admitted after waiting, as the server stops
+    }
     let born = Instant::now();
     let limits = &ctx.limits;
     let tls =
@@ -829,7 +857,9 @@ async fn connection(
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
     let (busy_tx, busy_rx) = watch::channel(0usize);
     let busy = Arc::new(busy_tx);
-    let (arrived_tx, arrived_rx) = watch::channel(None);
+    // HTTP/1: the first request's headers are due within the header timeout of the handshake
+    // (a connection that never sends one is closed then, as a slow one is).
+    let (arrived_tx, arrived_rx) = watch::channel((!h2).then(Instant::now));
     let arrived = Arc::new(arrived_tx);
     let io = Noted {
         inner: tls,
@@ -856,6 +886,9 @@ async fn connection(
     };
     debug!(%peer, reason = end.label(), "ending the connection");
     ctx.metrics.closed(end.label());
+    if matches!(end, End::HeaderTimeout) {
+        return; // no request in flight: dropped at once (hyper would wait out the grace)
+    }
     conn.as_mut().graceful_shutdown();
     match tokio::time::timeout(limits.shutdown_grace, conn).await {
         Ok(done) => ended(&ctx.metrics, peer, done),
@@ -1140,7 +1173,28 @@ mod tests {
         drop(first);
         assert!(peers.take(a).is_some(), "a slot given back");
         drop(second);
-        assert!(peers.open.lock().expect("lock").is_empty());
+        assert!(peers.peers.lock().expect("lock").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_slot_given_back_goes_to_the_connection_waiting_for_it() {
+        let peers = PeerSlots::new(1);
+        let a: IpAddr = "10.0.0.1".parse().expect("ip");
+        let held = peers.take(a).expect("a slot");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let waiter = tokio::spawn({
+            let peers = peers.clone();
+            async move { peers.take_by(a, deadline).await.is_some() }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await; // the waiter queues
+        drop(held);
+        // A new connection from the same address does not jump the queue.
+        assert!(
+            peers.take(a).is_none(),
+            "a newcomer took the slot a waiter was owed"
+        );
+        assert!(waiter.await.expect("waiter"), "the waiter got no slot");
+        assert!(peers.peers.lock().expect("lock").is_empty());
     }
 
     #[tokio::test]
