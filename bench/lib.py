@@ -369,11 +369,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: str,
-                     namespace_labels: dict[str, str] | None = None) -> None:
+def register_webhook(kube: Kube, name: str, port: int | None, bundle: str, ns_label: str,
+                     namespace_labels: dict[str, str] | None = None,
+                     service: dict | None = None) -> None:
     """A ValidatingWebhookConfiguration for labelled ConfigMaps in namespaces labelled
     fencedlease.io/bench-ns=<ns_label> (or, if given, `namespace_labels`), as the project's tests
-    and demo register it."""
+    and demo register it: at https://127.0.0.1:<port>/validate, or at `service` (a clientConfig
+    service reference, as the chart registers it)."""
+    target = {"service": service} if service else {"url": f"https://127.0.0.1:{port}/validate"}
     body = {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
         "metadata": {"name": name},
@@ -381,7 +384,7 @@ def register_webhook(kube: Kube, name: str, port: int, bundle: str, ns_label: st
             "name": "fencing.fencedlease.io",
             "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
             "timeoutSeconds": 5,
-            "clientConfig": {"url": f"https://127.0.0.1:{port}/validate", "caBundle": bundle},
+            "clientConfig": {**target, "caBundle": bundle},
             "namespaceSelector": {"matchLabels": namespace_labels or {"fencedlease.io/bench-ns": ns_label}},
             "objectSelector": {"matchExpressions": [
                 {"key": "fencedlease.io/lease", "operator": "Exists"}]},

@@ -76,19 +76,8 @@ def register_by_service(kube: Kube, ns: str, addr: str, ports: list[int], bundle
             "endpoints": [{"addresses": [addr], "conditions": {"ready": True}}],
             "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})
     name = f"fencedlease-bench-{ns}"
-    body = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [{
-            "name": "fencing.fencedlease.io", "admissionReviewVersions": ["v1"],
-            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
-            "clientConfig": {"service": {"namespace": ns, "name": SERVICE, "port": 443,
-                                         "path": "/validate"}, "caBundle": bundle},
-            "namespaceSelector": {"matchLabels": {"fencedlease.io/bench-ns": ns}},
-            "objectSelector": {"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                       "resources": ["configmaps"], "scope": "Namespaced"}]}]}
-    kube.request("POST", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", body)
+    lib.register_webhook(kube, name, None, bundle, ns, service={
+        "namespace": ns, "name": SERVICE, "port": 443, "path": "/validate"})
     return name
 
 

@@ -265,6 +265,31 @@ where
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// An HTTP/1.1 connection from 127.0.0.1, to send reviews with [`post_h1`].
+async fn h1(srv: &TestServer) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let tls = srv.tls_from("127.0.0.1", b"http/1.1").await;
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("HTTP/1 handshake");
+    tokio::spawn(conn);
+    send
+}
+
+/// POSTs `body` to /validate over HTTP/1.1; the answer's text.
+async fn post_h1(
+    send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    body: Full<Bytes>,
+) -> String {
+    send.ready().await.expect("the connection is still open");
+    let req = hyper::Request::post("/validate")
+        .header("host", "127.0.0.1")
+        .body(body)
+        .expect("request");
+    let resp = send.send_request(req).await.expect("an answer");
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 fn review(n: usize) -> Full<Bytes> {
     Full::new(Bytes::from(vec![b' '; n]))
 }
@@ -464,20 +489,9 @@ async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
         ..Limits::default()
     };
     let srv = TestServer::start(limits, Duration::ZERO).await;
-    let tls = srv.tls_from("127.0.0.1", b"http/1.1").await;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("HTTP/1 handshake");
-    tokio::spawn(conn);
+    let mut send = h1(&srv).await;
     for n in [10, 20] {
-        send.ready().await.expect("the connection is still open");
-        let req = hyper::Request::post("/validate")
-            .header("host", "127.0.0.1")
-            .body(review(n))
-            .expect("request");
-        let resp = send.send_request(req).await.expect("an answer");
-        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-        assert_eq!(String::from_utf8_lossy(&bytes), format!("read {n}"));
+        assert_eq!(post_h1(&mut send, review(n)).await, format!("read {n}"));
         tokio::time::sleep(Duration::from_millis(1000)).await; // idle, past the header timeout
     }
     assert_eq!(srv.closed("header_timeout"), 0.0);
@@ -650,20 +664,8 @@ async fn many_parallel_large_bodies_never_buffer_more_than_the_budget() {
         }
     }
     for _ in 0..8 {
-        let tls = srv.tls_from("127.0.0.1", b"http/1.1").await;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .expect("HTTP/1 handshake");
-        tokio::spawn(conn);
-        requests.spawn(async move {
-            let req = hyper::Request::post("/validate")
-                .header("host", "127.0.0.1")
-                .body(review(400 * KIB))
-                .expect("request");
-            let resp = send.send_request(req).await.expect("an answer");
-            let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-            String::from_utf8_lossy(&bytes).into_owned()
-        });
+        let mut send = h1(&srv).await;
+        requests.spawn(async move { post_h1(&mut send, review(400 * KIB)).await });
     }
     while let Some(answer) = requests.join_next().await {
         assert_eq!(answer.expect("join"), format!("read {}", 400 * KIB));

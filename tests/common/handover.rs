@@ -92,6 +92,26 @@ pub struct Handover {
     pub history: String,
 }
 
+impl Handover {
+    /// What a graceful handover must show: `old` released the lease, and nobody held it for
+    /// `bound` or more at a stretch; else what went wrong.
+    pub fn released_within(&self, round: usize, old: &str, bound: Duration) -> Result<(), String> {
+        if !self.released {
+            return Err(format!(
+                "round {round}: {old} did not release the lease on SIGTERM: {}",
+                self.history
+            ));
+        }
+        if self.longest_gap >= bound {
+            return Err(format!(
+                "round {round}: no holder for {:?}: {}",
+                self.longest_gap, self.history
+            ));
+        }
+        Ok(())
+    }
+}
+
 pub fn handover(entries: &[Seen], old: &str, from: Instant, until: Instant) -> Handover {
     // The state at `from` is the last entry before it.
     let start = entries.iter().rposition(|s| s.at <= from).unwrap_or(0);
