@@ -5,6 +5,8 @@ that does not renew: leaseDurationSeconds 3600, so nothing expires during the ru
   has reconciled N leases (its own counter fencedlease_controller_reconciles_total{result="ok"}),
   then checked with a LIST that every lease's status.observedGeneration is current;
 - resident memory (VmRSS, and the peak VmHWM) after that and after 10 s more;
+- idle CPU: the controller's CPU over --idle-window s with the N leases idle (nothing expires,
+  nothing renews), and how many reconciles it ran meanwhile (none expected);
 - restart: SIGTERM (it releases its election lease), start again, time until it reconciled all;
 - expiry notice: with the N leases present, a probe lease is created held with a 3 s lease and
   never renewed; the time from (creation + 3 s) to the moment a poll (every 10 ms) sees the
@@ -61,6 +63,19 @@ def wait_reconciled(p: lib.Proc, mport: int, n: int, t0: float, timeout: float, 
             log(f"  {label}: {ok:.0f}/{n} reconciled, {err:.0f} errors ({el:.0f} s)")
             next_log += 10
         time.sleep(0.1)
+
+
+def idle_cpu(p: lib.Proc, mport: int, window: float) -> dict:
+    """The controller's CPU while its N leases are idle (held, an hour from expiry, no pods): the
+    scheduler's time of its threads over the window, ticks beside it, and the reconciles it ran."""
+    ok0, err0, _ = ok_count(mport)
+    ns0, ticks0, t0 = lib.cpu_ns(p.pid), lib.cpu_seconds(p.pid), time.monotonic()
+    time.sleep(window)
+    ns1, ticks1, el = lib.cpu_ns(p.pid), lib.cpu_seconds(p.pid), time.monotonic() - t0
+    ok1, err1, _ = ok_count(mport)
+    return {"window_s": el, "cpu_ms_per_s": (ns1 - ns0) / 1e6 / el,
+            "cpu_ms_per_s_ticks": (ticks1 - ticks0) * 1000 / el,
+            "reconciles": ok1 - ok0, "reconcile_errors": err1 - err0}
 
 
 def all_current(kube: Kube, ns: str, n: int) -> int:
@@ -120,6 +135,10 @@ def run_one(n: int, args, kube: Kube) -> dict:
         log(f"  cold: active after {res['cold']['active_after_s']:.2f} s, {n} reconciled after "
             f"{res['cold']['reconciled_after_s']:.2f} s; RSS {res['steady_rss_mib']:.1f} MiB "
             f"(peak {res['cold']['peak_rss_mib']:.1f} MiB)")
+        step(f"controller scale N={n}: {args.idle_window:.0f} s idle")
+        res["idle"] = idle_cpu(p, mport, args.idle_window)
+        log(f"  idle: {res['idle']['cpu_ms_per_s']:.3f} ms of CPU per s, "
+            f"{res['idle']['reconciles']:.0f} reconciles in {args.idle_window:.0f} s")
 
         step(f"controller scale N={n}: restart")
         p.signal(15)
@@ -149,6 +168,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--probes", type=int, default=5)
     ap.add_argument("--probe-lease", type=int, default=3)
+    ap.add_argument("--idle-window", type=float, default=60,
+                    help="seconds over which the controller's CPU is measured with N idle leases")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -158,7 +179,8 @@ def main() -> None:
     runs = [run_one(n, args, kube) for n in args.n]
     lib.write_result(args.out, "controller-scale", {
         "benchmark": "controller-scale",
-        "config": {"n": args.n, "probes": args.probes, "probe_lease_s": args.probe_lease},
+        "config": {"n": args.n, "probes": args.probes, "probe_lease_s": args.probe_lease,
+                   "idle_window_s": args.idle_window},
         "wall_s": time.monotonic() - started, "runs": runs})
 
 

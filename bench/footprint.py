@@ -23,47 +23,11 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import time
 from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (its threads included), in seconds; a tick (10 ms) resolution."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def cpu_ns(pid: int) -> int:
-    """Time on a CPU of the process's threads, from the scheduler (nanoseconds): finer than
-    cpu_seconds' ticks, which an idle sidecar barely moves in a minute."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except FileNotFoundError:
-            pass  # a thread that ended meanwhile
-    return total
-
-
-def rss_split_kib(pid: int) -> dict[str, int]:
-    """RssAnon (the process's own memory: heap, stacks) and RssFile (pages of files it maps,
-    its own binary first: clean, shared with every process of the same file, reclaimable)."""
-    out = {"RssAnon": 0, "RssFile": 0}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in out:
-                out[key] = int(line.split()[1])
-    return out
-
 
 def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None) -> tuple[lib.Proc, int]:
     port = lib.free_port()
@@ -102,7 +66,7 @@ def measure_idle(sidecars, window: float) -> dict:
     lead = leader_of(sidecars)
     if lead is None:
         raise RuntimeError("no sidecar leads")
-    before = {p.pid: (cpu_seconds(p.pid), cpu_ns(p.pid)) for p, _, _ in sidecars}
+    before = {p.pid: (lib.cpu_seconds(p.pid), lib.cpu_ns(p.pid)) for p, _, _ in sidecars}
     t0 = time.monotonic()
     time.sleep(window)
     elapsed = time.monotonic() - t0
@@ -113,11 +77,11 @@ def measure_idle(sidecars, window: float) -> dict:
         if not p.alive():
             raise RuntimeError(f"{p.name} exited; see {p.logfile}")
         rss, hwm = p.rss_kib()
-        split = rss_split_kib(p.pid)
+        split = lib.proc_status_kib(p.pid, "RssAnon", "RssFile")
         role = "leader" if p is lead[0] else "follower"
         ticks_s, sched_ns = before[p.pid]
-        out[role].append({"name": p.name, "cpu_ms_per_s": (cpu_ns(p.pid) - sched_ns) / 1e6 / elapsed,
-                          "cpu_ms_per_s_ticks": (cpu_seconds(p.pid) - ticks_s) * 1000 / elapsed,
+        out[role].append({"name": p.name, "cpu_ms_per_s": (lib.cpu_ns(p.pid) - sched_ns) / 1e6 / elapsed,
+                          "cpu_ms_per_s_ticks": (lib.cpu_seconds(p.pid) - ticks_s) * 1000 / elapsed,
                           "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024,
                           "rss_anon_mib": split["RssAnon"] / 1024, "rss_file_mib": split["RssFile"] / 1024})
     return out
@@ -160,7 +124,8 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
     proxy.close()
     s = {w: stats(v) for w, v in lat.items()}
     added = {q: (s["proxy"][q] - s["direct"][q]) for q in ("p50", "p90", "p99") if s["proxy"].get("n") and s["direct"].get("n")}
-    return {"writes_per_way": writes, "latency_ms": s, "added_ms": added,
+    ci = lib.bootstrap_ci(lat["proxy"], lat["direct"], 99) if lat["proxy"] and lat["direct"] else None
+    return {"writes_per_way": writes, "latency_ms": s, "added_ms": added, "added_p99_ci95_ms": ci,
             "codes": {w: {str(k): v for k, v in c.items()} for w, c in codes.items()}}
 
 

@@ -29,13 +29,17 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "hack"))
 import kubeclient  # noqa: E402  (hack/kubeclient.py: the API client bench/ and hack/history/ share)
 from kubeclient import ApiError  # noqa: E402  (also re-exported: benchmarks catch lib.ApiError)
+import percentiles  # noqa: E402  (bench/percentiles.py, shared with report.py)
 
 CLUSTER_DIR = Path(os.environ.get("FENCEDLEASE_CLUSTER_DIR", "/tmp/fencedlease-bench-cluster"))
 API_PORT = int(os.environ.get("FL_APISERVER_PORT", "28443"))
 CACHE = Path(os.environ.get("FL_BENCH_CACHE", Path.home() / ".cache/fencedlease/bench"))
-FENCEDLEASE = Path(os.environ.get("FL_BENCH_BIN", CACHE / "fencedlease"))
-PEER = Path(os.environ.get("FL_BENCH_PEER", CACHE / "leader-election-peer"))
 WORK = Path(os.environ.get("FL_BENCH_WORK", "/tmp/fencedlease-bench-work"))
+# bench/run.sh's private copies of this run's binaries (the instance's work folder: a build or
+# another instance's run cannot replace them while the benchmarks run).
+BIN = Path(os.environ.get("FL_BENCH_BINDIR", WORK / "bin"))
+FENCEDLEASE = Path(os.environ.get("FL_BENCH_BIN", BIN / "fencedlease"))
+PEER = Path(os.environ.get("FL_BENCH_PEER", CACHE / "leader-election-peer"))
 
 # ---------------------------------------------------------------------------------------------
 # progress
@@ -70,31 +74,51 @@ def _heartbeat() -> None:
 threading.Thread(target=_heartbeat, daemon=True).start()
 
 # ---------------------------------------------------------------------------------------------
-# numbers
+# numbers (bench/percentiles.py; here so that benchmarks write lib.pct, lib.stats)
+
+pct, stats, pct_ci, bootstrap_ci = percentiles.pct, percentiles.stats, percentiles.pct_ci, percentiles.bootstrap_ci
 
 
-def pct(values: Iterable[float], p: float) -> float | None:
-    """Percentile with linear interpolation between closest ranks (numpy's default)."""
-    v = sorted(values)
-    if not v:
+# ---------------------------------------------------------------------------------------------
+# a process's CPU and memory, from /proc
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process (its threads, ended ones included), in seconds, at a tick's
+    (10 ms) resolution; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
         return None
-    k = (len(v) - 1) * p / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def stats(values: list[float]) -> dict[str, Any]:
-    if not values:
-        return {"n": 0}
-    return {
-        "n": len(values),
-        "min": min(values),
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "max": max(values),
-        "mean": sum(values) / len(values),
-    }
+def cpu_ns(pid: int) -> int:
+    """Time on a CPU of the process's live threads, from the scheduler (nanoseconds): finer than
+    cpu_seconds' ticks, which an idle process barely moves in a minute. A thread that ends within
+    a window takes its time with it: compare windows of a process whose threads persist."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return total
+
+
+def proc_status_kib(pid: int, *keys: str) -> dict[str, int]:
+    """Fields of /proc/PID/status given in kB (VmRSS, VmHWM, RssAnon, RssFile, ...); 0 if absent."""
+    out = dict.fromkeys(keys, 0)
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = int(line.split()[1])
+    return out
 
 
 def now_ns() -> int:
@@ -277,14 +301,8 @@ class Proc:
 
     def rss_kib(self) -> tuple[int, int]:
         """(VmRSS, VmHWM) in KiB."""
-        rss = hwm = 0
-        with open(f"/proc/{self.p.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1])
-        return rss, hwm
+        st = proc_status_kib(self.p.pid, "VmRSS", "VmHWM")
+        return st["VmRSS"], st["VmHWM"]
 
 
 def stop_all(procs: Iterable[Proc] | None = None) -> None:

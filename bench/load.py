@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import queue
 import random
 import resource
@@ -40,16 +39,6 @@ from pathlib import Path
 
 import lib
 from lib import API_PORT, CLUSTER_DIR, Kube, log, stats
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process, in seconds (None if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def cluster_pids() -> dict[str, int]:
@@ -167,7 +156,7 @@ class LoadGenerator:
         return r.ru_utime + r.ru_stime
 
     def start(self) -> None:
-        self.cpu0 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
+        self.cpu0 = {k: lib.cpu_seconds(p) for k, p in cluster_pids().items()}
         self.cpu0["this process (load generator, harness)"] = self._self_cpu()
         self.t0 = time.time_ns()
         for _ in range(self.workers):
@@ -183,7 +172,7 @@ class LoadGenerator:
         """Stops the schedule, lets the pending requests finish (up to the timeout), and reports."""
         self.stop_ev.set()
         self.t1 = time.time_ns()
-        cpu1 = {k: cpu_seconds(p) for k, p in cluster_pids().items()}
+        cpu1 = {k: lib.cpu_seconds(p) for k, p in cluster_pids().items()}
         cpu1["this process (load generator, harness)"] = self._self_cpu()
         pending = self.q.qsize()
         for _ in range(self.workers):
@@ -339,7 +328,7 @@ class DelayProxyProcess:
         except (OSError, ValueError):
             out = {}
         out["alive_at_end"] = self.proc.alive()
-        out["cpu_s"] = cpu_seconds(self.proc.pid)  # over its life: the whole run
+        out["cpu_s"] = lib.cpu_seconds(self.proc.pid)  # over its life: the whole run
         lib.stop_all([self.proc])
         return out
 

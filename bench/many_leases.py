@@ -35,8 +35,7 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
-from policy_bench import proc_pid, rss_kib
-from webhook_bench import cpu_seconds
+from policy_bench import proc_pid
 
 OURS, PEER, FAST = "fencedlease", "client-go", "client-go-500ms"
 # client-go tuned for speed (issue 21): a 500 ms retry period, to show what its polling costs.
@@ -46,7 +45,7 @@ BREAK = None  # in a lease's list of renewals seen: the watch was opened again h
 
 
 def rss_mib(pid: int) -> float:
-    return rss_kib(pid) / 1024
+    return lib.proc_status_kib(pid, "VmRSS")["VmRSS"] / 1024
 
 
 def lease_base(system: str, ns: str) -> str:
@@ -219,14 +218,14 @@ def measure(system: str, args, kube: Kube, ns: str, p: lib.Proc, base: dict[str,
     watch = Renewals(system, ns, args.window)
     watch.start()
     r0, t0 = lease_requests(kube, system), time.monotonic()
-    c0 = {k: cpu_seconds(pid) for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid))}
+    c0 = {k: lib.cpu_seconds(pid) for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid))}
     rss: dict[str, list[float]] = {"apiserver": [], "etcd": [], "candidates": []}
     while time.monotonic() - t0 < args.window:
         for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid)):
             rss[k].append(rss_mib(pid))
         time.sleep(min(5.0, max(0.1, args.window - (time.monotonic() - t0))))
     el = time.monotonic() - t0
-    cpu = {k: (cpu_seconds(pid) - c0[k]) / el for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid))}
+    cpu = {k: (lib.cpu_seconds(pid) - c0[k]) / el for k, pid in (("apiserver", api), ("etcd", etcd), ("candidates", p.pid))}
     watch.join(30)  # its watch ends at the window's end (timeoutSeconds): counted by then
     r1 = lease_requests(kube, system)
     for verb in ("LIST", "WATCH"):  # the harness's own lists and watches of the window
@@ -248,7 +247,7 @@ def measure(system: str, args, kube: Kube, ns: str, p: lib.Proc, base: dict[str,
             "cpu_s_per_s": {k: round(v, 4) for k, v in cpu.items()},
             "rss_mib_median": {k: round(sorted(v)[len(v) // 2], 1) for k, v in rss.items() if v},
             "renewal_period_s": period, "renewal_gaps": len(late),
-            "lateness_ms": stats(late), "latest_renewals": watch.latest(period), "holder_changes": changes,
+            "lateness_ms": stats(late), "lateness_p99_ci95_ms": lib.pct_ci(late, 99), "latest_renewals": watch.latest(period), "holder_changes": changes,
             "watch_events": watch.events, "watch_restarts": watch.restarts, "watch_error": watch.error}
 
 
@@ -263,7 +262,7 @@ def main() -> None:
     ap.add_argument("--fast-n", type=int, default=None, help="leases for that one (default: --n)")
     ap.add_argument("--window", type=float, default=60.0, help="measured seconds")
     ap.add_argument("--baseline", type=float, default=20.0, help="seconds of the no-candidates baseline")
-    ap.add_argument("--ours", type=Path, default=lib.CACHE / "many_leases")
+    ap.add_argument("--ours", type=Path, default=lib.BIN / "many_leases")
     ap.add_argument("--peer", type=Path, default=lib.CACHE / "many-peer")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import lib
 from lib import FENCEDLEASE, Kube, log, stats, step
-from webhook_bench import bootstrap_ci, buckets, cpu_seconds, held_lease, hist_quantile
+from webhook_bench import buckets, held_lease, hist_quantile
 
 MODE_LABEL = "fencedlease.io/bench-fencing"
 MODES = ("none", "webhook", "policy")
@@ -208,14 +208,6 @@ def proc_pid(component: str) -> int | None:
         return None
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 class Writer:
     """Protected and plain ConfigMap updates in one namespace, each with a write id of its own."""
 
@@ -311,8 +303,8 @@ def summarize(parts: list[dict]) -> dict:
     sp, sl = stats(prot), stats(plain)
     out = {"protected_ms": sp, "plain_ms": sl,
            "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
-           "added_p99_ci95_ms": bootstrap_ci(prot, plain, 99),
-           "added_p50_ci95_ms": bootstrap_ci(prot, plain, 50),
+           "added_p99_ci95_ms": lib.bootstrap_ci(prot, plain, 99),
+           "added_p50_ci95_ms": lib.bootstrap_ci(prot, plain, 50),
            "server": {}}
     for k in parts[0]["server"]:
         acc: dict = {}
@@ -399,11 +391,11 @@ def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
     if not api or not etcd:
         raise SystemExit(f"no pid files of the cluster in {lib.CLUSTER_DIR}/pids")
     time.sleep(settle)
-    c0, e0, t0 = cpu_seconds(api), cpu_seconds(etcd), time.monotonic()
+    c0, e0, t0 = lib.cpu_seconds(api), lib.cpu_seconds(etcd), time.monotonic()
     rss, erss = [], []
     for k in range(5):
-        rss.append(rss_kib(api))
-        erss.append(rss_kib(etcd))
+        rss.append(lib.proc_status_kib(api, "VmRSS")["VmRSS"])
+        erss.append(lib.proc_status_kib(etcd, "VmRSS")["VmRSS"])
         time.sleep(idle / 5)
     el = time.monotonic() - t0
     text = kube.request("GET", "/metrics")
@@ -412,9 +404,9 @@ def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
           "process_cpu_seconds_total", "go_goroutines")}
     out = {"apiserver_rss_mib": sorted(rss)[2] / 1024, "apiserver_rss_max_mib": max(rss) / 1024,
            "etcd_rss_mib": sorted(erss)[2] / 1024,
-           "apiserver_idle_cpu_per_s": (cpu_seconds(api) - c0) / el,
-           "etcd_idle_cpu_per_s": (cpu_seconds(etcd) - e0) / el,
-           "apiserver_cpu_s_total": cpu_seconds(api),
+           "apiserver_idle_cpu_per_s": (lib.cpu_seconds(api) - c0) / el,
+           "etcd_idle_cpu_per_s": (lib.cpu_seconds(etcd) - e0) / el,
+           "apiserver_cpu_s_total": lib.cpu_seconds(api),
            "apiserver_heap_inuse_mib": m["go_memstats_heap_inuse_bytes"] / 2**20,
            "apiserver_goroutines": m["go_goroutines"]}
     log(f"  {label}: kube-apiserver RSS {out['apiserver_rss_mib']:.0f} MiB (heap in use "
@@ -493,14 +485,14 @@ def scale(args, kube: Kube, work: Path) -> dict:
         ctl.signal(15)
         lib.wait_until(lambda: not ctl.alive(), 30, "the controller to stop")
         names = [f"lease-{i:05d}" for i in range(1, n)]
-        c0 = cpu_seconds(api)
+        c0 = lib.cpu_seconds(api)
         res["create_s"] = lib.create_leases(kube, ns, names, log_every=2000)
-        res["create_apiserver_cpu_s"] = cpu_seconds(api) - c0
+        res["create_apiserver_cpu_s"] = lib.cpu_seconds(api) - c0
         res["leases"] = footprint(kube, args.settle, args.idle, f"{n} leases, 1 binding")
 
         step(f"policy-scale: the controller binds {n} leases")
         a0 = binding_applies(kube)
-        c0, t0 = cpu_seconds(api), time.monotonic()
+        c0, t0 = lib.cpu_seconds(api), time.monotonic()
         ctl, mport = start_controller(ns, ctl_ns, "ctl-vs-2", policy, work)
         procs.append(ctl)
         res["reconciled_s"] = wait_reconciled(ctl, mport, n, args.timeout)
@@ -515,7 +507,7 @@ def scale(args, kube: Kube, work: Path) -> dict:
         # from its reconciles and again from its first sweep.
         res["binding_applies"] = wait_quiet(kube, args.timeout) - a0
         res["quiet_s"] = time.monotonic() - t0 - 5
-        res["bind_apiserver_cpu_s"] = cpu_seconds(api) - c0
+        res["bind_apiserver_cpu_s"] = lib.cpu_seconds(api) - c0
         res["bindings"] = got
         log(f"  {got} bindings after {res['bound_s']:.1f} s, in effect after {res['judged_s']:.1f} s, "
             f"the controller done after {res['quiet_s']:.1f} s ({res['binding_applies']:.0f} applies); "

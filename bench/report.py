@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from percentiles import pct_ci
 from plots import ecdf_svg
 
 OURS, PEER = "fencedlease", "client-go"
@@ -27,6 +28,15 @@ def ratio(peer, ours):
     if peer is None or ours is None or ours == 0:
         return None
     return round(peer / ours, 2)
+
+
+def trial_ci(d: dict, system: str, key: str) -> list[float] | None:
+    """95 % bootstrap interval of the p99 of one measure over a benchmark's trials."""
+    return pct_ci([t[key] for t in d["trials"] if t["system"] == system and t.get(key) is not None], 99)
+
+
+def ci_cell(ci: list[float] | None) -> str:
+    return f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "-"
 
 
 def criterion(dir_: Path) -> dict:
@@ -139,6 +149,7 @@ def main() -> None:
         for system in systems:
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
+                           | {"p99_ci95": [r3(x) for x in trial_ci(d, system, k) or []]}
                            for k in ("failover_s", "lateness_s", "first_write_s", "revoked_seen_s") if k in v}
             row[system]["trials_failed"] = v.get("trials_failed")
             if system != PEER:
@@ -192,7 +203,7 @@ def main() -> None:
             md.append("Observed for both systems alike: a watch of the lease object on this machine; "
                       "trials whose next holder was the killed pod itself (its restarted container): "
                       + ", ".join(f"{k} {v}" for k, v in same.items()) + ".\n")
-        md.append("| measure | system | n | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
+        md.append("| measure | system | n | p50 | p90 | p99 | p99 95 % interval | max |\n|---|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", f"{sig} -> next leader"),
                          ("lateness_s", "next leader - (last renewal + lease)"),
                          ("first_write_s", f"{sig} -> first accepted fenced write"),
@@ -201,9 +212,9 @@ def main() -> None:
                 v = row[sy].get(k)
                 if v and v.get("n"):
                     md.append(f"| {label} | {LABEL.get(sy, sy)} | {v['n']} | {v['p50']:.3f} | {v['p90']:.3f} | "
-                              f"{v['p99']:.3f} | {v['max']:.3f} |")
+                              f"{v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | {v['max']:.3f} |")
         md.append(f"| ratio client-go / fencedlease ({sig} -> leader) | | | "
-                  f"{row['ratio_peer_over_ours']['p50']} | | {row['ratio_peer_over_ours']['p99']} | |")
+                  f"{row['ratio_peer_over_ours']['p50']} | | {row['ratio_peer_over_ours']['p99']} | | |")
         if sc in ("kill", "stop") and fo_o.get("n"):
             met = fo_o["p99"] <= L + 0.25
             lo = s[OURS].get("lateness_s", {})
@@ -241,6 +252,7 @@ def main() -> None:
         for system in (OURS, PEER):
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
+                           | {"p99_ci95": [r3(x) for x in trial_ci(d, system, k) or []]}
                            for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
             row[system]["trials_ok"] = v.get("trials_ok")
             row[system]["trials_failed"] = v.get("trials_failed")
@@ -268,8 +280,8 @@ def main() -> None:
                   + (f"; at the end, under the load: {ms(pe['direct']['p50'])} ms and {ms(pe['through_proxy']['p50'])} ms"
                      if (pe := d["load"].get("delay_probe_s_under_load")) else "") + "); the "
                   "harness reads the lease straight. Seconds; failed trials are counted, not dropped.\n")
-        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | max |\n"
-                  "|---|---|---|---|---|---|---|---|---|")
+        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", "signal -> next leader"),
                          ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
                          ("first_write_s", "signal -> first accepted fenced write")):
@@ -277,11 +289,12 @@ def main() -> None:
                 v = row[sy].get(k)
                 if v and v.get("n"):
                     md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
-                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {v['max']:.3f} |")
+                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | "
+                              f"{v['max']:.3f} |")
                 elif k == "failover_s":
-                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - |")
+                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - | - |")
         rr = row["lateness_ratio_peer_over_ours"]
-        md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | |")
+        md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | | |")
         if lp.get("min") is not None and lp["min"] < 0:
             md.append("\nclient-go's next leader came before the lease ran out in some trials (lateness below 0): "
                       "its candidates restart their lease clock only when the record changes, compared as JSON "
@@ -554,7 +567,7 @@ def main() -> None:
         md.append("\n### Controller scale\n")
         md.append("| leases | create s | cold: active after s | cold: N reconciles s | cold: every status current s | "
                   "RSS MiB (steady) | peak RSS MiB | restart: N reconciles s | RSS after restart MiB | "
-                  "expiry noticed s (p50 / max) |\n|---|---|---|---|---|---|---|---|---|---|")
+                  "expiry noticed s (p50 / max) | idle: CPU ms per s (reconciles) |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in d["runs"]:
             e = r["expiry_noticed_s"]
             peak = max(r["cold"]["peak_rss_mib"], r["final_peak_rss_mib"])
@@ -564,16 +577,25 @@ def main() -> None:
                          "restart_reconciled_s": r3(r["restart"]["reconciled_after_s"]),
                          "steady_rss_mib": r3(r["steady_rss_mib"]), "peak_rss_mib": r3(peak),
                          "final_rss_mib": r3(r["final_rss_mib"]),
-                         "expiry_noticed_p50_s": r3(e["p50"]), "expiry_noticed_max_s": r3(e["max"])})
+                         "expiry_noticed_p50_s": r3(e["p50"]), "expiry_noticed_max_s": r3(e["max"]),
+                         "idle": r.get("idle")})
+            idle = (f"{r['idle']['cpu_ms_per_s']:.3f} ({r['idle']['reconciles']:.0f} in "
+                    f"{r['idle']['window_s']:.0f} s)" if r.get("idle") else "-")
             md.append(f"| {r['n']} | {r['create_s']:.1f} | {r['cold']['active_after_s']:.2f} | "
                       f"{r['cold']['reconciled_after_s']:.1f} | {r['cold']['status_current_after_s']:.1f} | "
                       f"{r['steady_rss_mib']:.1f} | {peak:.1f} | "
-                      f"{r['restart']['reconciled_after_s']:.1f} | {r['final_rss_mib']:.1f} | {e['p50']:.3f} / {e['max']:.3f} |")
+                      f"{r['restart']['reconciled_after_s']:.1f} | {r['final_rss_mib']:.1f} | {e['p50']:.3f} / {e['max']:.3f} | "
+                      f"{idle} |")
         summary["controller_scale"] = rows
         big = [x for x in rows if x["n"] >= 10000]
         if big:
             verdict("controller: 10,000 leases in < 150 MiB resident", big[0]["peak_rss_mib"] < 150,
                     f"peak {big[0]['peak_rss_mib']:.1f} MiB, steady {big[0]['steady_rss_mib']:.1f} MiB")
+            if big[0]["idle"]:
+                i = big[0]["idle"]
+                verdict("controller: CPU at 10,000 idle leases (issue 21; no target set)", None,
+                        f"{i['cpu_ms_per_s']:.3f} ms of CPU per second over {i['window_s']:.0f} s, "
+                        f"{i['reconciles']:.0f} reconciles", "figures only: issue 21 asks for the measurement")
 
     # -- footprints (issue 21) -------------------------------------------------------------------
     d = load(run, "footprint")
@@ -601,7 +623,9 @@ def main() -> None:
             if v.get("n"):
                 md.append(f"| {label} | {v['n']} | {v['p50']:.2f} | {v['p90']:.2f} | {v['p99']:.2f} | {v['max']:.2f} |")
         if add:
-            md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f} | |")
+            ci = px.get("added_p99_ci95_ms")
+            md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f}"
+                      + (f" (95 % {ci[0]:.2f} to {ci[1]:.2f})" if ci else "") + " | |")
         summary["footprint"] = {"sidecars": rows, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
                                                                         for w, v in lat.items()},
                                 "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
@@ -629,8 +653,9 @@ def main() -> None:
             verbs = ", ".join(f"{v} {x}" for v, x in sorted(r["requests_per_s_by_verb"].items()))
             md.append(f"| {s} | {r['leases']} | {r['requests_per_s']:.1f} | {r['requests_per_s_per_lease']:.3f} | {verbs} | "
                       f"{cpu['apiserver']:.3f} | {rss['apiserver']:.0f} | {cpu['etcd']:.3f} | {cpu['candidates']:.3f} | "
-                      f"{rss['candidates']:.0f} | {la.get('p50') or 0:.0f} / {la.get('p99') or 0:.0f} / "
-                      f"{la.get('max') or 0:.0f} | {r['holder_changes']} |")
+                      f"{rss['candidates']:.0f} | {la.get('p50') or 0:.0f} / {la.get('p99') or 0:.0f}"
+                      + (f" (95 % {ci[0]:.0f} to {ci[1]:.0f})" if (ci := r.get("lateness_p99_ci95_ms")) else "")
+                      + f" / {la.get('max') or 0:.0f} | {r['holder_changes']} |")
             rows[s] = {"leases": r["leases"], "requests_per_s": r["requests_per_s"], "apiserver_cpu_s_per_s": cpu["apiserver"],
                        "lateness_ms": {q: r3(la.get(q)) for q in ("p50", "p99", "max")},
                        "holder_changes": r["holder_changes"]}

@@ -111,9 +111,20 @@ export FL_APISERVER_PORT="${FL_BENCH_APISERVER_PORT:-28443}" FL_KCM_PORT="${FL_B
 export FL_BENCH_CACHE="${FL_BENCH_CACHE:-$FL_CACHE/bench}"
 export FL_BENCH_WORK="${FL_BENCH_WORK:-/tmp/fencedlease-bench-work}"
 export KUBECONFIG="$FENCEDLEASE_CLUSTER_DIR/kubeconfig"
+# One run per instance (cluster folder, ports, work folder): a second one would stop the first's
+# cluster and replace its binaries. Another instance runs beside it with its own FL_BENCH_*.
+RUN_PIDFILE="$FENCEDLEASE_CLUSTER_DIR.run-pid"
+if other="$(cat "$RUN_PIDFILE" 2>/dev/null)" && [ "$other" != $$ ] &&
+  grep -qa "run.sh" "/proc/$other/cmdline" 2>/dev/null; then
+  die "another bench/run.sh (pid $other) uses this instance ($FENCEDLEASE_CLUSTER_DIR, port $FL_APISERVER_PORT, $FL_BENCH_WORK): wait for it, or run beside it with FL_BENCH_CLUSTER_DIR, FL_BENCH_WORK and the FL_BENCH_*_PORT variables set to others"
+fi
+echo $$ >"$RUN_PIDFILE"
+# This run's binaries: private copies in the instance's work folder (a build, or a run with
+# another FL_BENCH_WORK, cannot replace them meanwhile); the cache keeps only what is built once.
+export FL_BENCH_BINDIR="$FL_BENCH_WORK/bin"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 OUT="$HERE/results/$MODE-$STAMP"
-mkdir -p "$OUT" "$FL_BENCH_CACHE" "$FL_BENCH_WORK"
+mkdir -p "$OUT" "$FL_BENCH_CACHE" "$FL_BENCH_WORK" "$FL_BENCH_BINDIR"
 log "benchmarks ($MODE, $PROFILE build, Kubernetes v$BENCH_K8S, client-go peer of v$BENCH_K8S): ${NAMES[*]}; results in $OUT"
 
 command -v python3 >/dev/null || apt_install python3
@@ -134,7 +145,7 @@ else
     with_build_lock cargo build --benches --message-format=json
 fi
 # Private copies: other builds may replace target/ while the benchmarks run.
-cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_CACHE/fencedlease"
+cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_BINDIR/fencedlease"
 bench_exe() { # NAME: the bench executable that the build above produced
   python3 -c '
 import json, sys
@@ -151,10 +162,10 @@ DECISION=$(bench_exe webhook_decision)
 MANY=$(bench_exe many_leases)
 WRITERS=$(bench_exe apiserver_writers)
 [ -n "$LOADER" ] && [ -n "$DECISION" ] && [ -n "$MANY" ] && [ -n "$WRITERS" ] || die "could not find the bench executables (see $OUT/build-benches.log)"
-cp "$DECISION" "$FL_BENCH_CACHE/webhook_decision"
-cp "$LOADER" "$FL_BENCH_CACHE/webhook_load"
-cp "$MANY" "$FL_BENCH_CACHE/many_leases"
-cp "$WRITERS" "$FL_BENCH_CACHE/apiserver_writers"
+cp "$DECISION" "$FL_BENCH_BINDIR/webhook_decision"
+cp "$LOADER" "$FL_BENCH_BINDIR/webhook_load"
+cp "$MANY" "$FL_BENCH_BINDIR/many_leases"
+cp "$WRITERS" "$FL_BENCH_BINDIR/apiserver_writers"
 # The peer: client-go's leader-election example of the same release (bench/build-peer.sh).
 FL_BENCH_PEER="$("$HERE/build-peer.sh" "$BENCH_K8S")"
 export FL_BENCH_PEER FL_BENCH_PEER_VERSION="$BENCH_K8S"
@@ -183,7 +194,7 @@ cleanup() {
   # they recorded, if those processes still run one of our binaries.
   if [ -f "$FL_BENCH_WORK/pids" ]; then
     while read -r pid; do
-      if grep -qa -e "$FL_BENCH_CACHE" -e "$HERE" "/proc/$pid/cmdline" 2>/dev/null; then
+      if grep -qa -e "$FL_BENCH_BINDIR" -e "$FL_BENCH_CACHE" -e "$HERE" "/proc/$pid/cmdline" 2>/dev/null; then
         kill -CONT -- "-$pid" 2>/dev/null || true
         kill -KILL -- "-$pid" 2>/dev/null || true
       fi
@@ -192,6 +203,7 @@ cleanup() {
   fi
   [ "${NODE_STARTED:-0}" = 1 ] && { env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" down || true; }
   "$REPO/hack/cluster.sh" down || true
+  rm -f "$RUN_PIDFILE"
   exit $rc
 }
 trap cleanup EXIT
@@ -209,7 +221,7 @@ if [[ " ${NAMES[*]} " == *" failover-exited "* ]]; then
   # The kubelet and scheduler of the tests' build of that release (KUBEBUILDER_ASSETS names the
   # benchmarks' API server folder, which has neither).
   env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" up
-  FL_IMAGE_BINARY="$FL_BENCH_CACHE/fencedlease" "$REPO/hack/image.sh"
+  FL_IMAGE_BINARY="$FL_BENCH_BINDIR/fencedlease" "$REPO/hack/image.sh"
   PEER_IMAGE="$("$HERE/peer-image.sh" "$FL_BENCH_PEER" "$BENCH_K8S")"
 fi
 
@@ -235,7 +247,7 @@ if [ "$MODE" = full ]; then
   WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
-  CTL=(--n 1000 10000 --probes 5 --probe-lease 3)
+  CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
   FOOT=(--sidecars 3 --lease 15 --warmup 20 --window 120 --writes 2000 --writes-warmup 50)
   MANYL=(--n 1000 --fast-n 100 --candidates 2 --lease 15 --window 60 --baseline 20)
 else
@@ -251,7 +263,7 @@ else
   WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
-  CTL=(--n 200 --probes 1 --probe-lease 2)
+  CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
   FOOT=(--sidecars 2 --lease 3 --warmup 2 --window 3 --writes 30 --writes-warmup 5)
   MANYL=(--n 20 --candidates 2 --lease 6 --window 8 --baseline 3)
 fi
@@ -273,7 +285,7 @@ crit() {
   # that edits to src/ made meanwhile do not rebuild or change it mid-run.
   rm -rf "$OUT/criterion"
   with_heartbeat "webhook_decision (criterion)" "$OUT/decision.log" \
-    env CRITERION_HOME="$OUT/criterion" "$FL_BENCH_CACHE/webhook_decision" --bench "${CRIT[@]}"
+    env CRITERION_HOME="$OUT/criterion" "$FL_BENCH_BINDIR/webhook_decision" --bench "${CRIT[@]}"
   grep -E "time:|^[a-z_]+/[A-Za-z0-9_]+$" "$OUT/decision.log" >&2 || true
 }
 
@@ -297,7 +309,7 @@ for n in "${NAMES[@]}"; do
     footprint) bench "$n" python3 footprint.py "${FOOT[@]}" --out "$OUT" ;;
     many-leases)
       if [ -n "$MANY_PEER" ]; then
-        bench "$n" python3 many_leases.py "${MANYL[@]}" --ours "$FL_BENCH_CACHE/many_leases" --peer "$MANY_PEER" --out "$OUT"
+        bench "$n" python3 many_leases.py "${MANYL[@]}" --ours "$FL_BENCH_BINDIR/many_leases" --peer "$MANY_PEER" --out "$OUT"
       else
         log "== many-leases: skipped on v$BENCH_K8S (its client-go is built from Debian's tree, not a module)"
         echo '{"benchmark": "many-leases", "skipped": "client-go of this release is not a published module here"}' >"$OUT/many-leases.json"

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import time
 from pathlib import Path
 
 import lib
-from lib import CACHE, Kube, log, stats, step
+from lib import BIN, Kube, log, stats, step
 
-LOADER = Path(os.environ.get("FL_BENCH_LOADER", CACHE / "webhook_load"))
+LOADER = Path(os.environ.get("FL_BENCH_LOADER", BIN / "webhook_load"))
 
 
 def held_lease(kube: Kube, ns: str, name: str) -> tuple[str, int]:
@@ -122,20 +121,6 @@ def webhook_call_ms(before: dict, after: dict) -> dict:
     return out
 
 
-def bootstrap_ci(a: list[float], b: list[float], p: float, n: int = 400) -> list[float]:
-    """95 % percentile-bootstrap interval of pct(a, p) - pct(b, p), resampling each side."""
-    rng = random.Random(20261130)
-    diffs = sorted(lib.pct(rng.choices(a, k=len(a)), p) - lib.pct(rng.choices(b, k=len(b)), p)
-                   for _ in range(n))
-    return [lib.pct(diffs, 2.5), lib.pct(diffs, 97.5)]
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def server(args, kube: Kube, work: Path) -> dict:
     ns = f"bench-wh-{lib.rand_suffix()}"
     kube.create_namespace(ns)
@@ -169,7 +154,7 @@ def server(args, kube: Kube, work: Path) -> dict:
             step(f"webhook server, {path} path: {mode} loop" + (f" at {rate}/s" if rate else f", {conns} connections")
                  + f", {args.seconds} s (+{args.warmup} s warm-up)")
             before = lib.http_get(mport, "/metrics")
-            cpu0 = cpu_seconds(wh.pid)
+            cpu0 = lib.cpu_seconds(wh.pid)
             argv = ["taskset", "-c", "1", str(LOADER), "--url", f"https://127.0.0.1:{port}/validate",
                     "--ca", str(ca), "--body", str(body), "--seconds", str(args.seconds),
                     "--warmup", str(args.warmup), "--connections", str(conns), "--expect", path]
@@ -179,7 +164,7 @@ def server(args, kube: Kube, work: Path) -> dict:
             if r.returncode != 0:
                 raise RuntimeError(f"webhook_load failed: {r.stderr[-2000:]}")
             res = json.loads(r.stdout)
-            cpu = cpu_seconds(wh.pid) - cpu0
+            cpu = lib.cpu_seconds(wh.pid) - cpu0
             after = lib.http_get(mport, "/metrics")
             hb, ha = histogram(before), histogram(after)
             served = (sum(lib.metric_values(after, "fencedlease_webhook_admissions_total").values())
@@ -315,8 +300,8 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
            "webhook_allowed_reviews": allowed, "runs": runs,
            "protected_ms": sp, "plain_ms": sl, "added_ms": added,
            "refused_ms": sr, "refused_added_ms": refused_added,
-           "refused_added_p99_ci95_ms": bootstrap_ci(every["refused"], every["plain"], 99),
-           "added_p99_ci95_ms": bootstrap_ci(every["protected"], every["plain"], 99),
+           "refused_added_p99_ci95_ms": lib.bootstrap_ci(every["refused"], every["plain"], 99),
+           "added_p99_ci95_ms": lib.bootstrap_ci(every["protected"], every["plain"], 99),
            "apiserver_webhook_call_ms": calls}
     if bad:
         raise SystemExit(f"{bad} updates were not answered as expected (200, or 409 for the stale token)")

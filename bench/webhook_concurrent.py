@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 import lib
-from lib import CACHE, Kube, log, stats, step
-from webhook_bench import apiserver_webhook_histogram, bootstrap_ci, held_lease, webhook_call_ms
+from lib import BIN, Kube, log, stats, step
+from webhook_bench import apiserver_webhook_histogram, held_lease, webhook_call_ms
 
-WRITERS = Path(os.environ.get("FL_BENCH_WRITERS", CACHE / "apiserver_writers"))
+WRITERS = Path(os.environ.get("FL_BENCH_WRITERS", BIN / "apiserver_writers"))
 SERVICE = "fencedlease-bench-webhook"
 KINDS = ("protected", "plain", "stale")
 
@@ -145,8 +145,8 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     res = {"replicas": len(mports), "writers": writers, "writes_each": writes, "rate": rate,
            "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (writes + args.warmup) / raw["wall_s"],
            "ms": s, "added_ms": diff["protected"], "refused_added_ms": diff["stale"],
-           "added_p99_ci95_ms": bootstrap_ci(ms["protected"], ms["plain"], 99),
-           "refused_added_p99_ci95_ms": bootstrap_ci(ms["stale"], ms["plain"], 99),
+           "added_p99_ci95_ms": lib.bootstrap_ci(ms["protected"], ms["plain"], 99),
+           "refused_added_p99_ci95_ms": lib.bootstrap_ci(ms["stale"], ms["plain"], 99),
            "status": {k: raw["kinds"][k]["status"] for k in KINDS}, "failed": failed,
            "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
            "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),

@@ -1,0 +1,54 @@
+"""Percentiles and their bootstrap intervals: the benchmarks' numbers, and the report's (which
+must not import lib.py: lib starts a progress thread and reads the bench cluster's settings).
+Python 3.11 standard library only."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterable
+
+
+def pct(values: Iterable[float], p: float) -> float | None:
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return None
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "min": min(values),
+        "p50": pct(values, 50),
+        "p90": pct(values, 90),
+        "p99": pct(values, 99),
+        "max": max(values),
+        "mean": sum(values) / len(values),
+    }
+
+
+BOOTSTRAP_RESAMPLES = 400
+BOOTSTRAP_SEED = 20261130  # fixed: the same data always gives the same interval
+
+
+def pct_ci(values: list[float], p: float, n: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
+    """95 % percentile-bootstrap interval of pct(values, p). With ~100 trials the p99's interval
+    runs from about the 96th value to the largest: say so rather than trust the point."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(BOOTSTRAP_SEED)
+    qs = sorted(pct(rng.choices(values, k=len(values)), p) for _ in range(n))
+    return [pct(qs, 2.5), pct(qs, 97.5)]
+
+
+def bootstrap_ci(a: list[float], b: list[float], p: float, n: int = BOOTSTRAP_RESAMPLES) -> list[float]:
+    """95 % percentile-bootstrap interval of pct(a, p) - pct(b, p), resampling each side."""
+    rng = random.Random(BOOTSTRAP_SEED)
+    diffs = sorted(pct(rng.choices(a, k=len(a)), p) - pct(rng.choices(b, k=len(b)), p)
+                   for _ in range(n))
+    return [pct(diffs, 2.5), pct(diffs, 97.5)]
