@@ -16,7 +16,7 @@ async fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", logging::error_line(&err));
             std::process::ExitCode::FAILURE
         }
     }

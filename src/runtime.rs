@@ -131,7 +131,7 @@ impl ElectorTask {
     /// [`ElectorTask::stop`], logging the error as a warning.
     pub async fn stop_and_warn(self) {
         if let Some(e) = self.stop().await {
-            warn!(error = %format!("{e:#}"), "the elector ended with an error");
+            warn!(error = %crate::logging::error_line(&e), "the elector ended with an error");
         }
     }
 }
