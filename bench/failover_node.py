@@ -454,7 +454,7 @@ def main() -> None:
         "summary": summarize(results, systems),
         "trials": sorted(results, key=lambda r: (r["system"], r["lane"], r["trial"])),
     }
-    finish(args.out, SCENARIO, out)
+    finish(args.out, f"failover-{SCENARIO}", out)
 
 
 if __name__ == "__main__":

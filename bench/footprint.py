@@ -83,8 +83,22 @@ def measure_idle(sidecars, window: float) -> dict:
         out[role].append({"name": p.name, "cpu_ms_per_s": (lib.cpu_ns(p.pid) - sched_ns) / 1e6 / elapsed,
                           "cpu_ms_per_s_ticks": (lib.cpu_seconds(p.pid) - ticks_s) * 1000 / elapsed,
                           "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024,
-                          "rss_anon_mib": split["RssAnon"] / 1024, "rss_file_mib": split["RssFile"] / 1024})
+                          "rss_anon_mib": split["RssAnon"] / 1024, "rss_file_mib": split["RssFile"] / 1024,
+                          **pss_mib(p.pid)})
     return out
+
+
+def pss_mib(pid: int) -> dict[str, float]:
+    """The proportional set: each page shared with other processes counted as a share (the
+    binary's pages split between the sidecars that run the same file, as on a node where every
+    sidecar runs the same image layer), from /proc/PID/smaps_rollup."""
+    out = {"Pss": 0, "Pss_Anon": 0, "Pss_File": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = int(line.split()[1])
+    return {"pss_mib": out["Pss"] / 1024, "pss_anon_mib": out["Pss_Anon"] / 1024, "pss_file_mib": out["Pss_File"] / 1024}
 
 
 def token_of(port: int) -> tuple[int, str]:

@@ -604,16 +604,18 @@ def main() -> None:
         md.append(f"\n### Footprints: one sidecar, and its API proxy\n\n{c['sidecars']} sidecars on one "
                   f"{c['lease_s']} s lease, idle for {idle['window_s']:.0f} s; then {c['writes_per_way']} "
                   "protected writes each way, alternating.\n")
-        md.append("| sidecar | CPU ms per s | RSS MiB | peak RSS MiB | of it anonymous MiB | of it file pages MiB |"
-                  "\n|---|---|---|---|---|---|")
+        md.append("| sidecar | CPU ms per s | RSS MiB | peak RSS MiB | of it anonymous MiB | of it file pages MiB | "
+                  "PSS MiB (of it file pages) |\n|---|---|---|---|---|---|---|")
         rows = []
         for role in ("leader", "follower"):
             for r in idle[role]:
-                keys = ("cpu_ms_per_s", "rss_mib", "peak_rss_mib", "rss_anon_mib", "rss_file_mib")
+                keys = ("cpu_ms_per_s", "rss_mib", "peak_rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib",
+                        "pss_file_mib")
                 rows.append({"role": role, **{k: r3(r.get(k)) for k in keys}})
                 split = (f"{r['rss_anon_mib']:.1f} | {r['rss_file_mib']:.1f}" if "rss_anon_mib" in r else "- | -")
+                pss = f"{r['pss_mib']:.1f} ({r['pss_file_mib']:.1f})" if "pss_mib" in r else "-"
                 md.append(f"| {role} ({r['name']}) | {r['cpu_ms_per_s']:.3f} | {r['rss_mib']:.1f} | "
-                          f"{r['peak_rss_mib']:.1f} | {split} |")
+                          f"{r['peak_rss_mib']:.1f} | {split} | {pss} |")
         lat, add = px["latency_ms"], px["added_ms"]
         md.append("\n| protected write (merge patch, through the webhook) | n | p50 ms | p90 ms | p99 ms | max ms |"
                   "\n|---|---|---|---|---|---|")
