@@ -33,7 +33,7 @@
 #                      (policy mode, issue 18): added latency, client side and the API server's own
 #   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
 #                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
-#   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, expiry notice
+#   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, idle CPU, expiry notice
 #   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
 #                      added latency per write (direct vs through the proxy, same run)
 #   many-leases        N leases renewing with 2 candidates each (1,000; quick: 20), fencedlease's
