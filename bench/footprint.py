@@ -91,14 +91,9 @@ def measure_idle(sidecars, window: float) -> dict:
 def pss_mib(pid: int) -> dict[str, float]:
     """The proportional set: each page shared with other processes counted as a share (the
     binary's pages split between the sidecars that run the same file, as on a node where every
-    sidecar runs the same image layer), from /proc/PID/smaps_rollup."""
-    out = {"Pss": 0, "Pss_Anon": 0, "Pss_File": 0}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in out:
-                out[key] = int(line.split()[1])
-    return {"pss_mib": out["Pss"] / 1024, "pss_anon_mib": out["Pss_Anon"] / 1024, "pss_file_mib": out["Pss_File"] / 1024}
+    sidecar runs the same image layer)."""
+    k = lib.proc_status_kib(pid, "Pss", "Pss_Anon", "Pss_File", source="smaps_rollup")
+    return {"pss_mib": k["Pss"] / 1024, "pss_anon_mib": k["Pss_Anon"] / 1024, "pss_file_mib": k["Pss_File"] / 1024}
 
 
 def token_of(port: int) -> tuple[int, str]:

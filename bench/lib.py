@@ -110,10 +110,11 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def proc_status_kib(pid: int, *keys: str) -> dict[str, int]:
-    """Fields of /proc/PID/status given in kB (VmRSS, VmHWM, RssAnon, RssFile, ...); 0 if absent."""
+def proc_status_kib(pid: int, *keys: str, source: str = "status") -> dict[str, int]:
+    """Fields given in kB of /proc/PID/status (VmRSS, VmHWM, RssAnon, RssFile, ...) or, with
+    source="smaps_rollup", of the mapping totals (Pss, Pss_Anon, Pss_File, ...); 0 if absent."""
     out = dict.fromkeys(keys, 0)
-    with open(f"/proc/{pid}/status") as f:
+    with open(f"/proc/{pid}/{source}") as f:
         for line in f:
             key = line.split(":", 1)[0]
             if key in out:

@@ -35,8 +35,8 @@ def trial_ci(d: dict, system: str, key: str) -> list[float] | None:
     return pct_ci([t[key] for t in d["trials"] if t["system"] == system and t.get(key) is not None], 99)
 
 
-def ci_cell(ci: list[float] | None) -> str:
-    return f"{ci[0]:.3f} to {ci[1]:.3f}" if ci else "-"
+def ci_cell(ci: list[float] | None, digits: int = 3) -> str:
+    return f"{ci[0]:.{digits}f} to {ci[1]:.{digits}f}" if ci else "-"
 
 
 def criterion(dir_: Path) -> dict:
@@ -627,7 +627,7 @@ def main() -> None:
         if add:
             ci = px.get("added_p99_ci95_ms")
             md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f}"
-                      + (f" (95 % {ci[0]:.2f} to {ci[1]:.2f})" if ci else "") + " | |")
+                      + (f" (95 % {ci_cell(ci, 2)})" if ci else "") + " | |")
         summary["footprint"] = {"sidecars": rows, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
                                                                         for w, v in lat.items()},
                                 "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
@@ -656,7 +656,7 @@ def main() -> None:
             md.append(f"| {s} | {r['leases']} | {r['requests_per_s']:.1f} | {r['requests_per_s_per_lease']:.3f} | {verbs} | "
                       f"{cpu['apiserver']:.3f} | {rss['apiserver']:.0f} | {cpu['etcd']:.3f} | {cpu['candidates']:.3f} | "
                       f"{rss['candidates']:.0f} | {la.get('p50') or 0:.0f} / {la.get('p99') or 0:.0f}"
-                      + (f" (95 % {ci[0]:.0f} to {ci[1]:.0f})" if (ci := r.get("lateness_p99_ci95_ms")) else "")
+                      + (f" (95 % {ci_cell(ci, 0)})" if (ci := r.get("lateness_p99_ci95_ms")) else "")
                       + f" / {la.get('max') or 0:.0f} | {r['holder_changes']} |")
             rows[s] = {"leases": r["leases"], "requests_per_s": r["requests_per_s"], "apiserver_cpu_s_per_s": cpu["apiserver"],
                        "lateness_ms": {q: r3(la.get(q)) for q in ("p50", "p99", "max")},
