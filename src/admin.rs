@@ -294,12 +294,44 @@ impl RenewalGauge {
     }
 }
 
+/// Plain-TCP HTTP helpers for the unit tests of this server and of the servers built on it.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::net::SocketAddr;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Reads until the server closes the connection (or `within` passes: then None).
+    pub(crate) async fn closed_within(
+        s: &mut tokio::net::TcpStream,
+        within: Duration,
+    ) -> Option<Vec<u8>> {
+        let mut buf = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut buf))
+            .await
+            .ok()
+            .map(|_| buf)
+    }
+
+    /// GET `path` on a new connection; the whole answer, once the server has closed it.
+    pub(crate) async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .expect("write");
+        let answer = closed_within(&mut s, Duration::from_secs(5))
+            .await
+            .expect("the connection closed after the answer");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testing::{closed_within, get};
     use super::*;
     use crate::lease::rules::FencingToken;
     use prometheus_client::metrics::counter::Counter;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::time::Instant;
 
     fn leading(token: i64, until: Instant) -> LeaderState {
@@ -353,27 +385,6 @@ mod tests {
         let stop = CancellationToken::new();
         tokio::spawn(serve(l, app, limits, stop.clone().cancelled_owned()));
         (addr, stop)
-    }
-
-    /// Reads until the server closes the connection (or `within` passes: then None).
-    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Option<Vec<u8>> {
-        let mut buf = Vec::new();
-        tokio::time::timeout(within, s.read_to_end(&mut buf))
-            .await
-            .ok()
-            .map(|_| buf)
-    }
-
-    /// GET `path` on a new connection; the whole answer, once the server has closed it.
-    async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .expect("write");
-        let answer = closed_within(&mut s, Duration::from_secs(5))
-            .await
-            .expect("the connection closed after the answer");
-        String::from_utf8_lossy(&answer).into_owned()
     }
 
     #[tokio::test]

@@ -713,7 +713,7 @@ async fn serve_probe_endpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use crate::admin::testing::closed_within;
 
     /// A probe endpoint with `limits` on a free loopback port; returns its address.
     async fn probe_endpoint(limits: crate::admin::Limits) -> SocketAddr {
@@ -731,27 +731,6 @@ mod tests {
         addr
     }
 
-    /// Reads until the server closes the connection (or `within` passes: then None).
-    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> Option<Vec<u8>> {
-        let mut buf = Vec::new();
-        tokio::time::timeout(within, s.read_to_end(&mut buf))
-            .await
-            .ok()
-            .map(|_| buf)
-    }
-
-    /// GET /healthz on a new connection; the whole answer, once the server has closed it.
-    async fn get_healthz(addr: SocketAddr) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .expect("write");
-        let answer = closed_within(&mut s, Duration::from_secs(5))
-            .await
-            .expect("the connection closed after the answer");
-        String::from_utf8_lossy(&answer).into_owned()
-    }
-
     #[tokio::test]
     async fn the_probe_endpoint_answers_and_closes_idle_and_surplus_connections() {
         let limits = crate::admin::Limits {
@@ -761,7 +740,7 @@ mod tests {
         };
         let addr = probe_endpoint(limits).await;
         // A probe: one request, an answer, the connection closed.
-        let answer = get_healthz(addr).await;
+        let answer = crate::admin::testing::get(addr, "/healthz").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.ends_with("ok"), "{answer}");
         // A peer that connects and says nothing holds the only slot until the header timeout;
@@ -778,7 +757,7 @@ mod tests {
             "the idle connection was not closed by the header timeout"
         );
         // The slot is free again.
-        let answer = get_healthz(addr).await;
+        let answer = crate::admin::testing::get(addr, "/healthz").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 
