@@ -15,7 +15,10 @@
 #                      candidates run in pods (the injected sidecar; client-go's example in an
 #                      image), the kubelet restarts the container: time from the kill to the next
 #                      holder the API server records. Starts hack/node.sh for the bench cluster
-#                      (one kubelet per machine: another node must be down) and stops it after.
+#                      (one kubelet per machine: another node must be down) before it, and
+#                      stops it after it.
+# After each benchmark, its namespaces are deleted and waited for (bench/settle.py), so that the
+# next one starts on an API server without its objects.
 #   failover-load-kill failover-kill under load (issue 21): a load generator sends ConfigMap writes
 #                      and LISTs to the API server at stated rates (bench/load.py; full: 100
 #                      writes/s + 10 lists/s of 500 ConfigMaps; quick: 20 + 2 of 100) and every
@@ -215,18 +218,25 @@ trap 'exit 130' INT TERM
 "$REPO/hack/cluster.sh" down
 "$REPO/hack/cluster.sh" up
 # failover-exited runs its candidates in pods: a node (kubelet + containerd) for this cluster,
-# with the project's image and the peer's.
+# with the project's image and the peer's. The node runs for that benchmark alone: beside the
+# others its kubelet and scheduler would take CPU, and run the pods failover-podgone only stores.
 PEER_IMAGE=""
 if [[ " ${NAMES[*]} " == *" failover-exited "* ]]; then
   [ -z "$(pgrep -x kubelet || true)" ] ||
     die "failover-exited needs this machine's one node, and a kubelet runs already (stop it: hack/node.sh down, with the settings of the cluster it belongs to), or leave failover-exited out"
+fi
+node_up() {
   NODE_STARTED=1
   # The kubelet and scheduler of the tests' build of that release (KUBEBUILDER_ASSETS names the
   # benchmarks' API server folder, which has neither).
   env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" up
   FL_IMAGE_BINARY="$FL_BENCH_BINDIR/fencedlease" "$REPO/hack/image.sh"
   PEER_IMAGE="$("$HERE/peer-image.sh" "$FL_BENCH_PEER" "$BENCH_K8S")"
-fi
+}
+node_down() {
+  env -u KUBEBUILDER_ASSETS "$REPO/hack/node.sh" down
+  NODE_STARTED=0
+}
 
 python3 -c 'import json,sys; sys.path.insert(0, sys.argv[1]); import lib; print(json.dumps(lib.machine_info(), indent=1))' \
   "$HERE" >"$OUT/machine.json"
@@ -282,12 +292,21 @@ bench() { # NAME CMD...
     if [ "$name" != decision ] && [ ! -f "$OUT/$name.json" ]; then
       log "== $name: FAILED: it wrote no $OUT/$name.json"
       FAILED+=("$name")
-      return
+    else
+      log "== $name: done in $((SECONDS - start)) s"
     fi
-    log "== $name: done in $((SECONDS - start)) s"
   else
     log "== $name: FAILED after $((SECONDS - start)) s"
     FAILED+=("$name")
+  fi
+  settle "$name"
+}
+# The next benchmark starts without this one's namespaces and what they held (bench/settle.py).
+settle() { # NAME
+  [ "$1" = decision ] && return
+  if ! (cd "$HERE" && python3 settle.py --timeout 600); then
+    log "== $1: FAILED: its namespaces did not go, and the next benchmarks would run beside them"
+    FAILED+=("$1 (settle)")
   fi
 }
 crit() {
@@ -306,7 +325,10 @@ for n in "${NAMES[@]}"; do
     failover-stop) bench "$n" python3 failover.py stop "${FAIL[@]}" --out "$OUT" ;;
     failover-term) bench "$n" python3 failover.py term "${TERM_[@]}" --out "$OUT" ;;
     failover-podgone) bench "$n" python3 failover.py podgone "${GONE[@]}" --out "$OUT" ;;
-    failover-exited) bench "$n" python3 failover_node.py "${EXITED[@]}" --peer-image "$PEER_IMAGE" --out "$OUT" ;;
+    failover-exited)
+      node_up
+      bench "$n" python3 failover_node.py "${EXITED[@]}" --peer-image "$PEER_IMAGE" --out "$OUT"
+      node_down ;;
     failover-load-kill) bench "$n" python3 failover.py kill "${LOADED[@]}" --out "$OUT" ;;
     failover-load-stop) bench "$n" python3 failover.py stop "${LOADED[@]}" --out "$OUT" ;;
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
