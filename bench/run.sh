@@ -17,8 +17,6 @@
 #                      holder the API server records. Starts hack/node.sh for the bench cluster
 #                      (one kubelet per machine: another node must be down) before it, and
 #                      stops it after it.
-# After each benchmark, its namespaces are deleted and waited for (bench/settle.py), so that the
-# next one starts on an API server without its objects.
 #   failover-load-kill failover-kill under load (issue 21): a load generator sends ConfigMap writes
 #                      and LISTs to the API server at stated rates (bench/load.py; full: 100
 #                      writes/s + 10 lists/s of 500 ConfigMaps; quick: 20 + 2 of 100) and every
@@ -44,11 +42,12 @@
 #                      requests/s, its CPU and RSS, renewal lateness; also client-go with a 500 ms
 #                      retry period (100 leases in full mode), for its polling's cost (not on 1.20.2)
 #
+# After each benchmark, the benchmarks' namespaces are deleted and waited for (bench/settle.py),
+# so that the next one starts on an API server without their objects.
+#
 # --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (about 40 minutes, and 7.5 more for
-#   failover-podgone, 16 more for policy-apiserver and policy-scale, about 10 more for
-#   failover-load-kill and failover-load-stop, about 8
-#   more for webhook-concurrent).
+#   whatever the numbers. --full: the sizes of the record (all 17: 105 minutes after the builds
+#   in the complete run of 2026-12-02, before settle.py's deletions; BENCHMARKS.md has each one's).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
