@@ -3,8 +3,9 @@ and waits until the API server has removed them and all they held, so that the n
 starts on a server without the last one's objects or processes' pods.
 
 Why: the first complete `bench/run.sh --full` in one go (2026-12-02,
-bench/results/full-20261202T000756Z) ran its last benchmarks beside the 21,000 FencedLeases that
-policy-scale and controller-scale had left, and many-leases measured that, not fencedlease.
+bench/results/full-20261202T000756Z) ran its last benchmarks beside the 21,010 FencedLeases that
+policy-scale and controller-scale had left, and many-leases flapped there as it had not alone
+(BENCHMARKS.md, at its top).
 
 Usage: settle.py [--timeout SECONDS]   exits 1 if namespaces remain after the timeout
 """
