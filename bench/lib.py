@@ -142,6 +142,11 @@ def kubeconfig() -> Path:
     return CLUSTER_DIR / "kubeconfig"
 
 
+# Every namespace a benchmark makes carries BENCH_NS_LABEL=true (create_namespace); settle.py
+# deletes them by it between benchmarks.
+BENCH_NS_LABEL = "fencedlease.io/bench"
+
+
 class Kube(kubeclient.Kube):
     """hack/kubeclient.py's client (a keep-alive connection per thread), authenticated as the
     bench cluster's admin: Kube() for the bench API server, Kube(port) for another port."""
@@ -151,7 +156,7 @@ class Kube(kubeclient.Kube):
 
     def create_namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
         body = {"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": name, "labels": {"fencedlease.io/bench": "true",
+                "metadata": {"name": name, "labels": {BENCH_NS_LABEL: "true",
                                                       "fencedlease.io/bench-ns": name,
                                                       **(labels or {})}}}
         try:

@@ -19,7 +19,7 @@ import time
 import lib
 from lib import ApiError, Kube, log
 
-SELECTOR = "fencedlease.io/bench=true"
+SELECTOR = f"{lib.BENCH_NS_LABEL}=true"
 
 
 def bench_namespaces(kube: Kube) -> list[tuple[str, str]]:
