@@ -9,7 +9,11 @@
    split into the process's own (RssAnon: heap, stacks) and the pages of files it maps (RssFile:
    its binary's code and data, clean and shared with other processes of the same file).
    Reported per role: the leader (renewing every lease/3) and the followers (watching). Nothing
-   asks the sidecars anything during the window.
+   asks the sidecars anything during the window. With `--sidecar-binary`, the same again, after
+   part 2, for that binary (the sidecar's build, `--no-default-features`: the workload-side
+   commands alone) on a second FencedLease, and both binaries' sizes. The webhook runs the
+   default binary throughout, so the default sidecars' PSS shares its file pages with one more
+   process than the build's does; RSS is unaffected.
 2. The API proxy's added latency. The leader sidecar runs with `--proxy-listen`; `--writes`
    merge patches of a protected ConfigMap (through the API server and the fencing webhook, the
    write an app makes) alternate between the two ways an app can send them: straight to the API
@@ -29,15 +33,16 @@ from pathlib import Path
 import lib
 from lib import Kube, log, now_ns, stats, step
 
-def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None) -> tuple[lib.Proc, int]:
+def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None,
+                  binary: Path = lib.FENCEDLEASE, name: str = "sidecar") -> tuple[lib.Proc, int]:
     port = lib.free_port()
-    tokens = workdir / f"tokens-{i}"
+    tokens = workdir / f"tokens-{name}-{i}"
     tokens.mkdir(parents=True, exist_ok=True)
-    argv = [str(lib.FENCEDLEASE), "sidecar", "--lease", lease, "--namespace", ns, "--identity", f"sidecar-{i}",
+    argv = [str(binary), "sidecar", "--lease", lease, "--namespace", ns, "--identity", f"{name}-{i}",
             "--listen", f"127.0.0.1:{port}", "--lease-duration", str(lease_s), "--token-dir", str(tokens)]
     if proxy_port:
         argv += ["--proxy-listen", f"127.0.0.1:{proxy_port}"]
-    p = lib.Proc(f"sidecar-{i}", argv, workdir / "logs",
+    p = lib.Proc(f"{name}-{i}", argv, workdir / "logs",
                  env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "warn"})
     return p, port
 
@@ -151,6 +156,39 @@ def setup(kube: Kube, ns: str, lease: str, cm: str, lease_s: int, workdir: Path)
     return wh
 
 
+def measure_build(kube: Kube, ns: str, args, workdir: Path) -> dict:
+    """Part 1 again for the sidecar's build, on a FencedLease of its own."""
+    lease = "footprint-sidecar-build"
+    kube.request("POST", lib.fl_path(ns), {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
+                                           "metadata": {"name": lease}, "spec": {"leaseDurationSeconds": args.lease}})
+    step(f"footprint: {args.sidecars} sidecars of the sidecar's build ({args.sidecar_binary}), "
+         f"{args.window:.0f} s idle window")
+    sidecars = []
+    for i in range(args.sidecars):
+        pp = lib.free_port()
+        p, port = start_sidecar(i, ns, lease, args.lease, workdir, pp, args.sidecar_binary, "sidecar-build")
+        sidecars.append((p, port, pp))
+    try:
+        lib.wait_until(lambda: leader_of(sidecars), 3 * args.lease + 30, "a leading sidecar", interval=0.2)
+        time.sleep(args.warmup)
+        idle = measure_idle(sidecars, args.window)
+    finally:
+        lib.stop_all([p for p, _, _ in sidecars])
+    for role in ("leader", "follower"):
+        for r in idle[role]:
+            log(f"footprint: sidecar build, {role} {r['name']}: {r['cpu_ms_per_s']:.3f} ms CPU/s, "
+                f"RSS {r['rss_mib']:.1f} MiB (peak {r['peak_rss_mib']:.1f})")
+    return idle
+
+
+def binaries(sidecar_binary: Path | None) -> dict:
+    """Each measured binary's path and size (its code is most of a sidecar's RSS)."""
+    out = {"default": {"path": str(lib.FENCEDLEASE), "bytes": lib.FENCEDLEASE.stat().st_size}}
+    if sidecar_binary:
+        out["sidecar_build"] = {"path": str(sidecar_binary), "bytes": sidecar_binary.stat().st_size}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sidecars", type=int, default=3)
@@ -159,6 +197,7 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=120, help="idle window, seconds")
     ap.add_argument("--writes", type=int, default=2000, help="writes per way (direct, proxy)")
     ap.add_argument("--writes-warmup", type=int, default=50)
+    ap.add_argument("--sidecar-binary", type=Path, help="the sidecar's build, measured idle like the default one")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -188,14 +227,27 @@ def main() -> None:
     proxy = measure_proxy(kube, ns, cm, lead[1], lead[2], args.writes, args.writes_warmup)
     log(f"footprint: proxy adds p50 {proxy['added_ms'].get('p50', float('nan')):.2f} ms, "
         f"p99 {proxy['added_ms'].get('p99', float('nan')):.2f} ms per write (codes {proxy['codes']})")
-    lib.stop_all([p for p, _, _ in sidecars] + [wh])
+    lib.stop_all([p for p, _, _ in sidecars])
+    idle_build, build_error = None, None
+    if args.sidecar_binary:
+        try:
+            idle_build = measure_build(kube, ns, args, workdir)
+        except (RuntimeError, OSError, TimeoutError) as e:
+            build_error = f"the sidecar's build: {e}"
+    lib.stop_all([wh])
     kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/fencedlease-bench-{ns}",
                  ok=(200, 404))
     out = {"benchmark": "footprint",
            "config": {"sidecars": args.sidecars, "lease_s": args.lease, "warmup_s": args.warmup,
                       "window_s": args.window, "writes_per_way": args.writes, "writes_warmup": args.writes_warmup},
-           "idle": idle, "proxy": proxy}
+           "idle": idle, "proxy": proxy, "binaries": binaries(args.sidecar_binary)}
+    if idle_build is not None:
+        out["idle_sidecar_build"] = idle_build
+    if build_error:
+        out["error"] = build_error
     lib.write_result(args.out, "footprint", out)
+    if build_error:
+        raise SystemExit(f"footprint: {build_error}")
     bad = [w for w, c in proxy["codes"].items() if set(c) != {"200"}]
     if bad:
         raise SystemExit(f"footprint: writes other than 200 for {bad}: {proxy['codes']}")

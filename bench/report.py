@@ -35,6 +35,20 @@ def trial_ci(d: dict, system: str, key: str) -> list[float] | None:
     return pct_ci([t[key] for t in d["trials"] if t["system"] == system and t.get(key) is not None], 99)
 
 
+def footprint_rows(md: list[str], idle: dict, label: str) -> list[dict]:
+    """One table row per sidecar of a footprint idle phase; the rows for the summary."""
+    rows = []
+    keys = ("cpu_ms_per_s", "rss_mib", "peak_rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib", "pss_file_mib")
+    for role in ("leader", "follower"):
+        for r in idle[role]:
+            rows.append({"role": role, **{k: r3(r.get(k)) for k in keys}})
+            split = (f"{r['rss_anon_mib']:.1f} | {r['rss_file_mib']:.1f}" if "rss_anon_mib" in r else "- | -")
+            pss = f"{r['pss_mib']:.1f} ({r['pss_file_mib']:.1f})" if "pss_mib" in r else "-"
+            md.append(f"| {label}{role} ({r['name']}) | {r['cpu_ms_per_s']:.3f} | {r['rss_mib']:.1f} | "
+                      f"{r['peak_rss_mib']:.1f} | {split} | {pss} |")
+    return rows
+
+
 def ci_cell(ci: list[float] | None, digits: int = 3) -> str:
     return f"{ci[0]:.{digits}f} to {ci[1]:.{digits}f}" if ci else "-"
 
@@ -606,16 +620,12 @@ def main() -> None:
                   "protected writes each way, alternating.\n")
         md.append("| sidecar | CPU ms per s | RSS MiB | peak RSS MiB | of it anonymous MiB | of it file pages MiB | "
                   "PSS MiB (of it file pages) |\n|---|---|---|---|---|---|---|")
-        rows = []
-        for role in ("leader", "follower"):
-            for r in idle[role]:
-                keys = ("cpu_ms_per_s", "rss_mib", "peak_rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib",
-                        "pss_file_mib")
-                rows.append({"role": role, **{k: r3(r.get(k)) for k in keys}})
-                split = (f"{r['rss_anon_mib']:.1f} | {r['rss_file_mib']:.1f}" if "rss_anon_mib" in r else "- | -")
-                pss = f"{r['pss_mib']:.1f} ({r['pss_file_mib']:.1f})" if "pss_mib" in r else "-"
-                md.append(f"| {role} ({r['name']}) | {r['cpu_ms_per_s']:.3f} | {r['rss_mib']:.1f} | "
-                          f"{r['peak_rss_mib']:.1f} | {split} | {pss} |")
+        rows = footprint_rows(md, idle, "")
+        build_rows = footprint_rows(md, d["idle_sidecar_build"], "sidecar build, ") if "idle_sidecar_build" in d else []
+        sizes = d.get("binaries", {})
+        if sizes:
+            md.append("\nBinaries: " + ", ".join(f"{k.replace('_', ' ')} {v['bytes'] / 2**20:.1f} MiB"
+                                                for k, v in sizes.items()) + ".")
         lat, add = px["latency_ms"], px["added_ms"]
         md.append("\n| protected write (merge patch, through the webhook) | n | p50 ms | p90 ms | p99 ms | max ms |"
                   "\n|---|---|---|---|---|---|")
@@ -628,7 +638,8 @@ def main() -> None:
             ci = px.get("added_p99_ci95_ms")
             md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f}"
                       + (f" (95 % {ci_cell(ci, 2)})" if ci else "") + " | |")
-        summary["footprint"] = {"sidecars": rows, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
+        summary["footprint"] = {"sidecars": rows, "sidecar_build": build_rows,
+                                "binary_mib": {k: r3(v["bytes"] / 2**20) for k, v in sizes.items()}, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
                                                                         for w, v in lat.items()},
                                 "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
         if rows:
@@ -636,6 +647,12 @@ def main() -> None:
             worst_cpu = max(r["cpu_ms_per_s"] for r in rows)
             verdict("sidecar: < 8 MiB RSS and < 1 ms CPU per second idle", worst_rss < 8 and worst_cpu < 1,
                     f"largest of {len(rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
+        if build_rows:
+            worst_rss = max(r["rss_mib"] for r in build_rows)
+            worst_cpu = max(r["cpu_ms_per_s"] for r in build_rows)
+            verdict("sidecar's build (--no-default-features): < 8 MiB RSS and < 1 ms CPU per second idle",
+                    worst_rss < 8 and worst_cpu < 1,
+                    f"largest of {len(build_rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
 
     # -- many live leases (issue 21) --------------------------------------------------------------
     d = load(run, "many-leases")

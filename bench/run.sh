@@ -36,7 +36,10 @@
 #                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, idle CPU, expiry notice
 #   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
-#                      added latency per write (direct vs through the proxy, same run)
+#                      added latency per write (direct vs through the proxy, same run); the
+#                      same idle figures for the sidecar's build (Cargo.toml: no `operator`
+#                      feature), which the script builds into target/sidecar-build/ (a second
+#                      build of every dependency there the first time)
 #   many-leases        N leases renewing with 2 candidates each (1,000; quick: 20), fencedlease's
 #                      electors beside client-go's in one process each: the API server's lease
 #                      requests/s, its CPU and RSS, renewal lateness; also client-go with a 500 ms
@@ -143,14 +146,26 @@ if [ "$PROFILE" = release ]; then
   with_heartbeat "cargo build --profile bench-tools --benches" "$OUT/build-benches.log" \
     with_build_lock cargo build --profile bench-tools --benches --message-format=json
 else
-  # Unoptimized: what the test suite built already, so CI pays for no release build. The
-  # figures mean nothing; the commands are what is checked.
+  # Unoptimized: what the test suite built already, so CI pays for no release build (only, for
+  # footprint, the sidecar's debug build below). The figures mean nothing; the commands are
+  # what is checked.
   with_heartbeat "cargo build (debug)" "$OUT/build.log" with_build_lock cargo build
   with_heartbeat "cargo build --benches (debug)" "$OUT/build-benches.log" \
     with_build_lock cargo build --benches --message-format=json
 fi
 # Private copies: other builds may replace target/ while the benchmarks run.
 cp "${CARGO_TARGET_DIR:-target}/$PROFILE/fencedlease" "$FL_BENCH_BINDIR/fencedlease"
+SIDECAR_BUILD=()
+# footprint also measures the sidecar's build (Cargo.toml: without the default `operator`
+# feature), in a target folder of its own so that it never replaces the binary above.
+if [[ " ${NAMES[*]} " == *" footprint "* ]]; then
+  SIDECAR_TARGET="${CARGO_TARGET_DIR:-target}/sidecar-build"
+  PFLAG=(); [ "$PROFILE" = release ] && PFLAG=(--release)
+  with_heartbeat "cargo build --no-default-features ($PROFILE, the sidecar's build)" "$OUT/build-sidecar.log" \
+    with_build_lock cargo build "${PFLAG[@]}" --no-default-features --target-dir "$SIDECAR_TARGET"
+  cp "$SIDECAR_TARGET/$PROFILE/fencedlease" "$FL_BENCH_BINDIR/fencedlease-sidecar"
+  SIDECAR_BUILD=(--sidecar-binary "$FL_BENCH_BINDIR/fencedlease-sidecar")
+fi
 bench_exe() { # NAME: the bench executable that the build above produced
   python3 -c '
 import json, sys
@@ -337,7 +352,7 @@ for n in "${NAMES[@]}"; do
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
-    footprint) bench "$n" python3 footprint.py "${FOOT[@]}" --out "$OUT" ;;
+    footprint) bench "$n" python3 footprint.py "${FOOT[@]}" "${SIDECAR_BUILD[@]}" --out "$OUT" ;;
     many-leases)
       if [ -n "$MANY_PEER" ]; then
         bench "$n" python3 many_leases.py "${MANYL[@]}" --ours "$FL_BENCH_BINDIR/many_leases" --peer "$MANY_PEER" --out "$OUT"

@@ -41,6 +41,9 @@ cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commi
 # The workspace: the root package and the elector library (elector/).
 log "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# The sidecar's build (Cargo.toml: without the `operator` feature): its library and binary.
+log "cargo clippy --no-default-features --lib --bins -- -D warnings (the sidecar's build)"
+cargo clippy --no-default-features --lib --bins --quiet -- -D warnings
 log "Python client unit tests (clients/python; tests/client_python.rs runs it against real sidecars)"
 PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tests -t clients/python
 command -v go >/dev/null || die "go not found: the Go client (clients/go) needs Go 1.24 or later on PATH (https://go.dev/dl)"

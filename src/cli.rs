@@ -1,7 +1,9 @@
 //! Command-line interface: one binary, one subcommand per role.
 
+#[cfg(feature = "operator")]
 use std::io::Write;
 
+#[cfg(feature = "operator")]
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
@@ -18,6 +20,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    #[cfg(feature = "operator")]
     /// Print the FencedLease CustomResourceDefinition as YAML: by default the one with CEL
     /// validation rules, for Kubernetes 1.25 and later (what `crds/` holds).
     Crd {
@@ -32,9 +35,11 @@ pub enum Command {
     /// Run a command only while this process holds a FencedLease, with the fencing token in
     /// FENCEDLEASE_TOKEN; stop it as soon as leadership is lost; release when it exits.
     Campaign(crate::campaign::CampaignArgs),
+    #[cfg(feature = "operator")]
     /// Run the controller: keeps FencedLease status true, revokes expired leases, emits
     /// Events. Several replicas may run; one is active.
     Controller(crate::controller::ControllerArgs),
+    #[cfg(feature = "operator")]
     /// Run the fencing admission webhook: the API server refuses writes to protected objects
     /// that carry a stale, missing or forged token.
     Webhook(crate::webhook::WebhookArgs),
@@ -46,8 +51,10 @@ pub enum Command {
         /// The URL to GET, for example http://127.0.0.1:8787/readyz.
         url: String,
     },
+    #[cfg(feature = "operator")]
     /// Generate a local CA and webhook serving certificate; print the caBundle (base64).
     Certs(crate::webhook::CertsArgs),
+    #[cfg(feature = "operator")]
     /// The kubectl plugin's commands (status, who, handover, release, check), as `kubectl
     /// fencedlease` runs them when this binary is on PATH as `kubectl-fencedlease`.
     Kubectl(crate::plugin::PluginArgs),
@@ -56,6 +63,7 @@ pub enum Command {
 /// Runs the chosen subcommand.
 pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
+        #[cfg(feature = "operator")]
         Command::Crd {
             without_validation_rules,
             for_server,
@@ -79,10 +87,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Campaign(args) => crate::campaign::run(args).await,
+        #[cfg(feature = "operator")]
         Command::Controller(args) => crate::controller::run(args).await,
+        #[cfg(feature = "operator")]
         Command::Webhook(args) => crate::webhook::run(args).await,
+        #[cfg(feature = "operator")]
         Command::Certs(args) => crate::webhook::certs(args),
         Command::Sidecar(args) => crate::sidecar::run(args).await,
+        #[cfg(feature = "operator")]
         Command::Kubectl(args) => Ok(crate::plugin::run(args).await?),
         Command::Probe { url } => {
             let url = crate::probe::parse_http_url(&url)?;
