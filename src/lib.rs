@@ -29,6 +29,7 @@ pub mod fencing;
 pub mod holder;
 pub mod identity;
 pub mod logging;
+pub mod memtrim;
 #[cfg(feature = "operator")]
 pub mod owners;
 #[cfg(feature = "operator")]

@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
@@ -84,6 +84,12 @@ pub struct SidecarArgs {
     /// Seconds between health checks (each may take at most this long).
     #[arg(long, default_value_t = 1.0)]
     pub app_health_interval_seconds: f64,
+    /// Keep the memory that only start-up used. By default, once the sidecar has run for a
+    /// while it gives back its resident pages of code and read-only data (Linux; the pages
+    /// that it uses afterwards come back from the page cache), so that each pod holds about
+    /// what the steady state uses.
+    #[arg(long, env = "FENCEDLEASE_KEEP_STARTUP_MEMORY")]
+    pub keep_startup_memory: bool,
 }
 
 /// The JSON of `/v1/status` and of each `/v1/watch` event.
@@ -472,11 +478,36 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
     let servers = Servers::start(&args, rt.client().clone(), shared, stop).await?;
+    if !args.keep_startup_memory {
+        tokio::spawn(trim_after_startup(stop.clone()));
+    }
     stop.cancelled().await;
     info!("releasing the lease");
     background.join().await;
     servers.join().await;
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// How long after start the sidecar gives back the memory that only start-up used: by then
+/// it has read its configuration, connected and campaigned at least once.
+const STARTUP_TRIM_AFTER: Duration = Duration::from_secs(10);
+
+/// Gives back start-up's pages (crate::memtrim) once, `STARTUP_TRIM_AFTER` after start.
+async fn trim_after_startup(stop: CancellationToken) {
+    tokio::select! {
+        _ = stop.cancelled() => return,
+        _ = tokio::time::sleep(STARTUP_TRIM_AFTER) => {}
+    }
+    match tokio::task::spawn_blocking(crate::memtrim::trim_startup_pages).await {
+        Ok(Ok(t)) => info!(
+            regions = t.regions,
+            kib = t.kib,
+            failed = t.failed,
+            "gave back the memory that only start-up used"
+        ),
+        Ok(Err(e)) => debug!(error = %e, reason = e.metric_label(), "start-up memory kept"),
+        Err(e) => debug!(error = %e, "start-up memory kept"),
+    }
 }
 
 /// Refuses flags that would expose the token or the pod's credentials, or check the app too
