@@ -38,8 +38,8 @@
 #   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
 #                      added latency per write (direct vs through the proxy, same run); the
 #                      same idle figures for the sidecar's build (Cargo.toml: no `operator`
-#                      feature), which the script builds into target/sidecar-build/ (a second
-#                      build of every dependency there the first time)
+#                      feature, profile sidecar; --debug: sidecar-dev), which the script builds
+#                      into target/sidecar/ (a second build of every dependency the first time)
 #   many-leases        N leases renewing with 2 candidates each (1,000; quick: 20), fencedlease's
 #                      electors beside client-go's in one process each: the API server's lease
 #                      requests/s, its CPU and RSS, renewal lateness; also client-go with a 500 ms
@@ -159,11 +159,9 @@ SIDECAR_BUILD=()
 # footprint also measures the sidecar's build (Cargo.toml: without the default `operator`
 # feature), in a target folder of its own so that it never replaces the binary above.
 if [[ " ${NAMES[*]} " == *" footprint "* ]]; then
-  SIDECAR_TARGET="${CARGO_TARGET_DIR:-target}/sidecar-build"
-  PFLAG=(); [ "$PROFILE" = release ] && PFLAG=(--release)
-  with_heartbeat "cargo build --no-default-features ($PROFILE, the sidecar's build)" "$OUT/build-sidecar.log" \
-    with_build_lock cargo build "${PFLAG[@]}" --no-default-features --target-dir "$SIDECAR_TARGET"
-  cp "$SIDECAR_TARGET/$PROFILE/fencedlease" "$FL_BENCH_BINDIR/fencedlease-sidecar"
+  with_heartbeat "cargo build --profile $(sidecar_profile "$PROFILE") --no-default-features (the sidecar's build)" \
+    "$OUT/build-sidecar.log" build_sidecar "$PROFILE"
+  cp "$(sidecar_binary "$PROFILE")" "$FL_BENCH_BINDIR/fencedlease-sidecar"
   SIDECAR_BUILD=(--sidecar-binary "$FL_BENCH_BINDIR/fencedlease-sidecar")
 fi
 bench_exe() { # NAME: the bench executable that the build above produced

@@ -4,6 +4,11 @@
 #
 #   hack/image.sh            build (cargo build --release only when the binary is missing or
 #                            older than the sources), write the archive, import it
+#   FL_IMAGE_ROLE=sidecar hack/image.sh
+#                            the same for the sidecar's image, fencedlease-sidecar:0.1.0 (the chart's
+#                            injection.sidecar.image): the sidecar's build (Cargo.toml: the
+#                            workload-side commands only, profile sidecar; see hack/lib.sh's
+#                            sidecar_binary), built the same way when missing or older
 #
 # The image: one layer with /usr/local/bin/fencedlease, the shared libraries `ldd` names for
 # it and the dynamic loader (the binary is linked against the build machine's glibc; the image
@@ -12,7 +17,7 @@
 # It runs as 65532:65532 with entrypoint /usr/local/bin/fencedlease. Pods use it with
 # `image: fencedlease:0.1.0` and `imagePullPolicy: Never` (or IfNotPresent): there is no registry.
 #
-# Output: target/image/fencedlease-0.1.0.tar, a docker-archive (manifest.json + config JSON +
+# Output: target/image/fencedlease-0.1.0.tar (fencedlease-sidecar-0.1.0.tar), a docker-archive (manifest.json + config JSON +
 # one layer tar); reproducible for the same binary. Idempotent.
 set -euo pipefail
 # shellcheck source=hack/lib.sh
@@ -21,15 +26,26 @@ source "$(dirname "$0")/lib.sh"
 source "$(dirname "$0")/node/image-lib.sh"
 
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$FL_REPO/Cargo.toml" | head -n1)
-REF="fencedlease:$VERSION"
 # FL_IMAGE_PROFILE=debug packages the debug binary the tests build (CI does, to spare a
 # release build); the default is release.
 PROFILE="${FL_IMAGE_PROFILE:-release}"
 case "$PROFILE" in release) CARGO_FLAGS=(--release) ;; debug) CARGO_FLAGS=() ;; *) die "FL_IMAGE_PROFILE must be release or debug" ;; esac
+ROLE="${FL_IMAGE_ROLE:-operator}"
+case "$ROLE" in
+  operator)
+    NAME=fencedlease
+    DEFAULT_BIN="${CARGO_TARGET_DIR:-$FL_REPO/target}/$PROFILE/fencedlease" ;;
+  sidecar)
+    NAME=fencedlease-sidecar
+    CARGO_FLAGS=(--profile "$(sidecar_profile "$PROFILE")" --no-default-features)
+    DEFAULT_BIN="$(sidecar_binary "$PROFILE")" ;;
+  *) die "FL_IMAGE_ROLE must be operator or sidecar" ;;
+esac
+REF="$NAME:$VERSION"
 # FL_IMAGE_BINARY=PATH packages that binary as it is (the benchmarks' private copy), no build.
-BIN="${FL_IMAGE_BINARY:-${CARGO_TARGET_DIR:-$FL_REPO/target}/$PROFILE/fencedlease}"
+BIN="${FL_IMAGE_BINARY:-$DEFAULT_BIN}"
 OUT_DIR="$FL_REPO/target/image"
-ARCHIVE="$OUT_DIR/fencedlease-$VERSION.tar"
+ARCHIVE="$OUT_DIR/$NAME-$VERSION.tar"
 UID_NONROOT=65532
 
 stale_binary() {
@@ -49,7 +65,7 @@ else
   log "packaging $BIN (up to date)"
 fi
 
-rootfs="$OUT_DIR/rootfs"
+rootfs="$OUT_DIR/rootfs-$NAME"
 rm -rf "$rootfs"
 mkdir -p "$rootfs/usr/local/bin" "$rootfs/etc" "$rootfs/tmp" "$rootfs/var/run/fencedlease"
 install -m 0755 "$BIN" "$rootfs/usr/local/bin/fencedlease"

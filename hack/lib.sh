@@ -112,6 +112,16 @@ binary_minor() {
   echo "$v"
 }
 
+# The sidecar's build (Cargo.toml: the workload-side commands only, no `operator` feature) for a
+# PROFILE of release or debug: its cargo profile (sidecar: optimized for size; sidecar-dev: for the
+# tests and CI, unoptimized), each in a folder of its own under target/, so that it never
+# replaces the default build's binary.
+sidecar_profile() { if [ "$1" = release ]; then echo sidecar; else echo sidecar-dev; fi; }
+# Prints the path of the sidecar's build's binary for PROFILE (release or debug).
+sidecar_binary() { echo "${CARGO_TARGET_DIR:-$FL_REPO/target}/$(sidecar_profile "$1")/fencedlease"; }
+# Builds it (cargo, under with_build_lock).
+build_sidecar() { with_build_lock cargo build --profile "$(sidecar_profile "$1")" --no-default-features; }
+
 # with_build_lock CMD...: run CMD, holding the lock file $FL_BUILD_LOCK (flock) if it is set, so that
 # on a machine shared by several builders (say FL_BUILD_LOCK=/tmp/fl-build.lock) one build runs at a
 # time. The benchmarks' builds (cargo, go) go through it; unset, CMD just runs.

@@ -35,6 +35,9 @@ fi
 log "building the image from the debug binary (hack/image.sh)"
 cargo build --quiet
 FL_IMAGE_PROFILE=debug hack/image.sh
+# The chart injects the sidecar's image (injection.sidecar.image): the sidecar's build, unoptimized.
+log "building the sidecar's image from its debug build (FL_IMAGE_ROLE=sidecar hack/image.sh)"
+FL_IMAGE_PROFILE=debug FL_IMAGE_ROLE=sidecar hack/image.sh
 
 log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"

@@ -321,7 +321,7 @@ fn rendered_objects_follow_the_design() {
             "--metrics-addr",
             "0.0.0.0:9091",
             "--sidecar-image",
-            "fencedlease:0.1.0",
+            "fencedlease-sidecar:0.1.0",
             "--sidecar-image-pull-policy",
             "IfNotPresent",
             r#"--sidecar-resources={"limits":{"memory":"64Mi"},"requests":{"cpu":"10m","memory":"16Mi"}}"#,
@@ -698,6 +698,37 @@ fn rendered_objects_follow_the_design() {
         "certManager.enabled=true",
     ]);
     assert!(!ok && err.contains("cert-manager"), "{err}");
+}
+
+/// The injected sidecar's image: the sidecar's build by default, pinned by tag or digest, and
+/// the operator's own image when its repository is emptied.
+#[test]
+fn the_sidecar_image_is_the_sidecar_build_or_the_operator_image() {
+    let c = chart();
+    let digest = format!("sha256:{}", "1".repeat(64));
+    let table: &[(&str, String)] = &[
+        ("", "fencedlease-sidecar:0.1.0".to_string()),
+        ("injection.sidecar.image.tag=9.9.9", "fencedlease-sidecar:9.9.9".to_string()),
+        (
+            &format!("injection.sidecar.image.repository=r.example/fl-sc,injection.sidecar.image.digest={digest}"),
+            format!("r.example/fl-sc@{digest}"),
+        ),
+        ("injection.sidecar.image.repository=,image.tag=1.2.3", "fencedlease:1.2.3".to_string()),
+    ];
+    for (set, want) in table {
+        let mut args = vec!["template", "img", &c, "--namespace", "ops"];
+        if !set.is_empty() {
+            args.extend(["--set", set]);
+        }
+        let docs = documents(&helm_ok(&args));
+        let webhook = named(&docs, "Deployment", "img-fencedlease-webhook");
+        let a = container_args(webhook, "webhook");
+        let i = a
+            .iter()
+            .position(|x| x == "--sidecar-image")
+            .expect("--sidecar-image");
+        assert_eq!(&a[i + 1], want, "--set {set}");
+    }
 }
 
 #[test]

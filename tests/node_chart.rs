@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::helm::Release;
 use common::node::{
-    container_names, holder, name_of, ready_node, running_containers, IMAGE, LEASE_LABEL,
+    container_names, holder, name_of, ready_node, running_containers, LEASE_LABEL, SIDECAR_IMAGE,
 };
 use common::operator::{
     annotated_pod, component_of, opt_in_to_injection, wait_certificate_and_ca_bundles,
@@ -191,7 +191,7 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
                 container_names(&created)
             )
         });
-    assert_eq!(sidecar.image.as_deref(), Some(IMAGE));
+    assert_eq!(sidecar.image.as_deref(), Some(SIDECAR_IMAGE));
     assert_eq!(sidecar.image_pull_policy.as_deref(), Some("Never"));
     let args = sidecar.args.clone().unwrap_or_default();
     assert_eq!(

@@ -22,6 +22,8 @@ use kube::{Api, Client};
 use serde_json::json;
 
 pub const IMAGE: &str = "fencedlease:0.1.0";
+/// The sidecar's image (`FL_IMAGE_ROLE=sidecar hack/image.sh`), which the chart injects.
+pub const SIDECAR_IMAGE: &str = "fencedlease-sidecar:0.1.0";
 /// The node's pause image (hack/node.sh builds and imports it): a do-nothing app container. The
 /// project's image holds only the `fencedlease` binary, which has no idle subcommand.
 pub const APP_IMAGE: &str = "localhost/fencedlease/pause:3.4";
@@ -77,7 +79,8 @@ pub fn fail_fast_on_waiting(pod: &Pod) {
         ) {
             panic!(
                 "pod {} cannot start: {reason}: {}\nthe image is not on the node: run \
-                 `FL_IMAGE_PROFILE=debug hack/image.sh` ({IMAGE}) or `hack/node.sh up` ({APP_IMAGE})",
+                 `FL_IMAGE_PROFILE=debug hack/image.sh` ({IMAGE}), `FL_IMAGE_PROFILE=debug \
+                 FL_IMAGE_ROLE=sidecar hack/image.sh` ({SIDECAR_IMAGE}) or `hack/node.sh up` ({APP_IMAGE})",
                 pod.metadata.name.as_deref().unwrap_or("?"),
                 w.message.unwrap_or_default()
             );

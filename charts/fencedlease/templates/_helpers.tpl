@@ -178,6 +178,19 @@ the controller's when there is no webhook. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The injected sidecar's image: injection.sidecar.image, or the operator's image when its
+repository is empty. Its pull policy is image.pullPolicy. */}}
+{{- define "fencedlease.sidecarImage" -}}
+{{- $i := .Values.injection.sidecar.image | default dict -}}
+{{- if not $i.repository -}}
+{{- include "fencedlease.image" . -}}
+{{- else if $i.digest -}}
+{{- printf "%s@%s" $i.repository $i.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $i.repository (default .Chart.AppVersion $i.tag) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Fails rendering early, with a message, on combinations the schema cannot express. */}}
 {{- define "fencedlease.validate" -}}
 {{- if and .Values.certManager.enabled (not (.Capabilities.APIVersions.Has "cert-manager.io/v1")) -}}
