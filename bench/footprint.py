@@ -11,7 +11,9 @@
    Reported per role: the leader (renewing every lease/3) and the followers (watching). Nothing
    asks the sidecars anything during the window. With `--sidecar-binary`, the same again, after
    part 2, for that binary (the sidecar's build, `--no-default-features`: the workload-side
-   commands alone) on a second FencedLease, and both binaries' sizes. The webhook runs the
+   commands alone) on a second FencedLease, then with `--keep-startup-memory` on a third (every
+   sidecar otherwise gives back, 10 s after its start, the memory only start-up used:
+   src/memtrim.rs), and both binaries' sizes. The webhook runs the
    default binary throughout, so the default sidecars' PSS shares its file pages with one more
    process than the build's does; RSS is unaffected.
 2. The API proxy's added latency. The leader sidecar runs with `--proxy-listen`; `--writes`
@@ -34,7 +36,8 @@ import lib
 from lib import Kube, log, now_ns, stats, step
 
 def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None,
-                  binary: Path = lib.FENCEDLEASE, name: str = "sidecar") -> tuple[lib.Proc, int]:
+                  binary: Path = lib.FENCEDLEASE, name: str = "sidecar",
+                  extra: tuple[str, ...] = ()) -> tuple[lib.Proc, int]:
     port = lib.free_port()
     tokens = workdir / f"tokens-{name}-{i}"
     tokens.mkdir(parents=True, exist_ok=True)
@@ -42,6 +45,7 @@ def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, prox
             "--listen", f"127.0.0.1:{port}", "--lease-duration", str(lease_s), "--token-dir", str(tokens)]
     if proxy_port:
         argv += ["--proxy-listen", f"127.0.0.1:{proxy_port}"]
+    argv += list(extra)
     p = lib.Proc(f"{name}-{i}", argv, workdir / "logs",
                  env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "warn"})
     return p, port
@@ -156,17 +160,23 @@ def setup(kube: Kube, ns: str, lease: str, cm: str, lease_s: int, workdir: Path)
     return wh
 
 
-def measure_build(kube: Kube, ns: str, args, workdir: Path) -> dict:
+# The sidecar's build as it runs (it gives back start-up's memory, src/memtrim.rs), and with
+# --keep-startup-memory: what that gives back.
+BUILD_PARTS = (("idle_sidecar_build", "sidecar-build", ()),
+               ("idle_sidecar_build_kept", "sidecar-build-kept", ("--keep-startup-memory",)))
+
+
+def measure_build(kube: Kube, ns: str, args, workdir: Path, name: str, extra: tuple[str, ...]) -> dict:
     """Part 1 again for the sidecar's build, on a FencedLease of its own."""
-    lease = "footprint-sidecar-build"
+    lease = f"footprint-{name}"
     kube.request("POST", lib.fl_path(ns), {"apiVersion": "fencedlease.io/v1alpha1", "kind": "FencedLease",
                                            "metadata": {"name": lease}, "spec": {"leaseDurationSeconds": args.lease}})
-    step(f"footprint: {args.sidecars} sidecars of the sidecar's build ({args.sidecar_binary}), "
-         f"{args.window:.0f} s idle window")
+    step(f"footprint: {args.sidecars} sidecars of the sidecar's build ({args.sidecar_binary}) "
+         f"{' '.join(extra)}, {args.window:.0f} s idle window")
     sidecars = []
     for i in range(args.sidecars):
         pp = lib.free_port()
-        p, port = start_sidecar(i, ns, lease, args.lease, workdir, pp, args.sidecar_binary, "sidecar-build")
+        p, port = start_sidecar(i, ns, lease, args.lease, workdir, pp, args.sidecar_binary, name, extra)
         sidecars.append((p, port, pp))
     try:
         lib.wait_until(lambda: leader_of(sidecars), 3 * args.lease + 30, "a leading sidecar", interval=0.2)
@@ -176,7 +186,7 @@ def measure_build(kube: Kube, ns: str, args, workdir: Path) -> dict:
         lib.stop_all([p for p, _, _ in sidecars])
     for role in ("leader", "follower"):
         for r in idle[role]:
-            log(f"footprint: sidecar build, {role} {r['name']}: {r['cpu_ms_per_s']:.3f} ms CPU/s, "
+            log(f"footprint: {name}, {role} {r['name']}: {r['cpu_ms_per_s']:.3f} ms CPU/s, "
                 f"RSS {r['rss_mib']:.1f} MiB (peak {r['peak_rss_mib']:.1f})")
     return idle
 
@@ -228,12 +238,13 @@ def main() -> None:
     log(f"footprint: proxy adds p50 {proxy['added_ms'].get('p50', float('nan')):.2f} ms, "
         f"p99 {proxy['added_ms'].get('p99', float('nan')):.2f} ms per write (codes {proxy['codes']})")
     lib.stop_all([p for p, _, _ in sidecars])
-    idle_build, build_error = None, None
-    if args.sidecar_binary:
+    builds, build_error = {}, None
+    for key, name, extra in BUILD_PARTS if args.sidecar_binary else ():
         try:
-            idle_build = measure_build(kube, ns, args, workdir)
+            builds[key] = measure_build(kube, ns, args, workdir, name, extra)
         except (RuntimeError, OSError, TimeoutError) as e:
-            build_error = f"the sidecar's build: {e}"
+            build_error = f"the sidecar's build ({name}): {e}"
+            break
     lib.stop_all([wh])
     kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/fencedlease-bench-{ns}",
                  ok=(200, 404))
@@ -241,8 +252,7 @@ def main() -> None:
            "config": {"sidecars": args.sidecars, "lease_s": args.lease, "warmup_s": args.warmup,
                       "window_s": args.window, "writes_per_way": args.writes, "writes_warmup": args.writes_warmup},
            "idle": idle, "proxy": proxy, "binaries": binaries(args.sidecar_binary)}
-    if idle_build is not None:
-        out["idle_sidecar_build"] = idle_build
+    out.update(builds)
     if build_error:
         out["error"] = build_error
     lib.write_result(args.out, "footprint", out)
