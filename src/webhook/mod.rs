@@ -10,6 +10,7 @@
 //! its configuration lists only the protected resource types.
 
 pub mod admission;
+pub mod coalesce;
 pub mod inject;
 pub mod server;
 pub mod tls;
@@ -29,6 +30,7 @@ use axum::routing::post;
 use axum::Router;
 use base64::Engine as _;
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
 use kube::core::admission::{AdmissionResponse, AdmissionReview};
 use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -45,11 +47,20 @@ use tracing::{debug, info, warn};
 use crate::api::{FencedLease, MODE_ANNOTATION};
 use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
 use admission::{Judgement, Parsed, ScaleCheck};
+use coalesce::Coalescer;
 use tls::{CertFiles, ReloadingCert};
 
 /// How long a read of a lease (or of a scaled object, or a namespace) may take before the
 /// webhook refuses the write (fail closed).
 const FRESH_READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// The bounds of a coalesced fresh read ([`coalesce`]). Each read is bounded by
+/// `FRESH_READ_TIMEOUT` in [`timed_read`], which records its outcome; the coalescer's own bound
+/// is a backstop a little later. A write waits at most for the read in flight when it arrived,
+/// then for its own: twice `FRESH_READ_TIMEOUT`, after which it is refused (fail closed).
+const COALESCED_READ_BOUNDS: coalesce::Bounds = coalesce::Bounds {
+    read_timeout: FRESH_READ_TIMEOUT.saturating_add(Duration::from_millis(500)),
+    max_wait: FRESH_READ_TIMEOUT.saturating_mul(2),
+};
 /// How long one successful read from the API server keeps the webhook ready; a failed read
 /// makes it unready at once.
 const API_HEALTH_WINDOW: Duration = Duration::from_secs(5);
@@ -194,6 +205,7 @@ struct WebhookMetrics {
     injections: Family<ResultLabel, Counter>,
     seconds: Histogram,
     fresh_reads: Counter,
+    fresh_reads_shared: Counter,
     cache_lag_caught: Counter,
 }
 
@@ -204,6 +216,7 @@ impl WebhookMetrics {
             injections: Family::default(),
             seconds: Histogram::new(exponential_buckets(0.000005, 2.0, 20)),
             fresh_reads: Counter::default(),
+            fresh_reads_shared: Counter::default(),
             cache_lag_caught: Counter::default(),
         };
         r.register(
@@ -223,8 +236,13 @@ impl WebhookMetrics {
         );
         r.register(
             "fencedlease_webhook_fresh_reads",
-            "Reads from the API server made to decide a write: the lease before every allow and before a refusal a lagging cache could explain, the namespace's mode before a refusal, the object behind a /scale write",
+            "Reads from the API server made to decide writes: the lease before every allow and before a refusal a lagging cache could explain, the namespace's mode before a refusal, the object behind a /scale write. Concurrent writes needing the same lease or namespace share one read sent after all of them arrived",
             m.fresh_reads.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_fresh_reads_shared",
+            "Writes decided on a lease or namespace read shared with other writes (a read sent after each of them arrived; see fencedlease_webhook_fresh_reads)",
+            m.fresh_reads_shared.clone(),
         );
         r.register(
             "fencedlease_webhook_cache_lag_caught",
@@ -241,7 +259,8 @@ struct Shared {
     store: Store<FencedLease>,
     metrics: WebhookMetrics,
     exemptions: Exemptions,
-    health: ApiHealth,
+    health: Arc<ApiHealth>,
+    fresh: FreshReads,
     /// The bytes all request bodies together may buffer.
     budget: server::BodyBudget,
 }
@@ -302,6 +321,63 @@ impl ApiHealth {
     }
 }
 
+/// The fresh reads of leases and namespaces, each coalesced per key ([`coalesce`]): a write is
+/// only ever decided on a read sent after the write arrived, but concurrent writes waiting for
+/// the same lease (or namespace) share the next such read.
+struct FreshReads {
+    /// What the webhook knows of a lease, by namespace and name (None: no such lease).
+    leases: Coalescer<(String, String), Option<LeaseView>>,
+    /// The fencing mode of a namespace, by name.
+    modes: Coalescer<String, Mode>,
+}
+
+impl FreshReads {
+    fn new(client: &Client, health: &Arc<ApiHealth>, metrics: &WebhookMetrics) -> FreshReads {
+        let counters = coalesce::Counters {
+            reads: metrics.fresh_reads.clone(),
+            shared: metrics.fresh_reads_shared.clone(),
+        };
+        let (c, h) = (client.clone(), health.clone());
+        let leases = Coalescer::new(
+            move |(ns, name): (String, String)| {
+                let (api, h) = (Api::<FencedLease>::namespaced(c.clone(), &ns), h.clone());
+                async move {
+                    Ok(timed_read(&h, api.get_opt(&name))
+                        .await?
+                        .as_ref()
+                        .and_then(view))
+                }
+            },
+            COALESCED_READ_BOUNDS,
+            counters.clone(),
+        );
+        let (c, h) = (client.clone(), health.clone());
+        let modes = Coalescer::new(
+            move |ns: String| {
+                let (api, h) = (Api::<Namespace>::all(c.clone()), h.clone());
+                async move {
+                    Ok(namespace_mode(
+                        timed_read(&h, api.get_metadata_opt(&ns)).await?,
+                    ))
+                }
+            },
+            COALESCED_READ_BOUNDS,
+            counters,
+        );
+        FreshReads { leases, modes }
+    }
+}
+
+/// The fencing mode a namespace's annotation asks for (a namespace that is not there: enforce).
+fn namespace_mode(ns: Option<kube::core::PartialObjectMeta<Namespace>>) -> Mode {
+    Mode::from_annotation(
+        ns.as_ref()
+            .and_then(|n| n.metadata.annotations.as_ref())
+            .and_then(|a| a.get(MODE_ANNOTATION))
+            .map(String::as_str),
+    )
+}
+
 /// Runs `read` with the fresh-read timeout, recording the outcome in `health`.
 async fn timed_read<T>(
     health: &ApiHealth,
@@ -329,16 +405,15 @@ impl Shared {
                 return self.refuse(j, r).await;
             }
         }
-        self.metrics.fresh_reads.inc();
-        let api: Api<FencedLease> = Api::namespaced(self.client.clone(), &j.namespace);
-        let fresh = match timed_read(&self.health, api.get_opt(&j.lease_name)).await {
+        let key = (j.namespace.clone(), j.lease_name.clone());
+        let fresh = match self.fresh.leases.read(key).await {
             Ok(l) => l,
             Err(detail) => {
                 let what = format!("FencedLease {}/{}", j.namespace, j.lease_name);
                 return admission::unconfirmed(&j.response, &what, &detail);
             }
         };
-        match decide(&w, fresh.as_ref().and_then(view).as_ref()) {
+        match decide(&w, fresh.as_ref()) {
             Verdict::Allow => (j.response.clone(), "allowed"),
             Verdict::Refuse(r) => {
                 if from_cache == Verdict::Allow {
@@ -350,18 +425,11 @@ impl Shared {
         }
     }
 
-    /// Refuses, unless the namespace is annotated for warn mode. A namespace that cannot be
-    /// read enforces (fail closed).
+    /// Refuses, unless the namespace is annotated for warn mode (read fresh, coalesced). A
+    /// namespace that cannot be read enforces (fail closed).
     async fn refuse(&self, j: &Judgement, r: &Refusal) -> (AdmissionResponse, &'static str) {
-        self.metrics.fresh_reads.inc();
-        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
-        let mode = match timed_read(&self.health, api.get_metadata_opt(&j.namespace)).await {
-            Ok(ns) => Mode::from_annotation(
-                ns.as_ref()
-                    .and_then(|n| n.metadata.annotations.as_ref())
-                    .and_then(|a| a.get(MODE_ANNOTATION))
-                    .map(String::as_str),
-            ),
+        let mode = match self.fresh.modes.read(j.namespace.clone()).await {
+            Ok(mode) => mode,
             Err(e) => {
                 debug!(ns = %j.namespace, error = %e, "namespace unreadable: enforcing");
                 Mode::Enforce
@@ -595,13 +663,16 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let limits = server::Limits::default();
     let budget = server::BodyBudget::new(&limits, &server_metrics);
     let ready = Arc::new(AtomicBool::new(false));
+    let health = Arc::new(ApiHealth::new(ready.clone()));
+    let fresh = FreshReads::new(&client, &health, &metrics);
     let shared = Arc::new(Shared {
         client,
         inject: inject_config(&args, native_sidecars),
         store: store.clone(),
         metrics,
         exemptions,
-        health: ApiHealth::new(ready.clone()),
+        health,
+        fresh,
         budget,
     });
     start_readiness(&shared, store);
