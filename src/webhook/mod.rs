@@ -4,10 +4,11 @@
 //! Every Allow rests on a read of the lease made after the request arrived (a read without a
 //! resourceVersion, which the API server serves from etcd with a quorum read): a watch cache
 //! can lag by seconds, or for minutes when a watch dies silently, and an Allow from it would let
-//! a replaced holder's token through. The watch cache only refuses early the writes whose token
-//! is already below a generation the lease has reached. When the API server cannot be read the
-//! webhook refuses (503) and turns unready. It is never on the path of FencedLease renewals:
-//! its configuration lists only the protected resource types.
+//! a replaced holder's token through. Concurrent writes share such reads, but only ever a read
+//! sent after each of them arrived ([`coalesce`]). The watch cache only refuses early the
+//! writes whose token is already below a generation the lease has reached. When the API server
+//! cannot be read the webhook refuses (503) and turns unready. It is never on the path of
+//! FencedLease renewals: its configuration lists only the protected resource types.
 
 pub mod admission;
 pub mod coalesce;
