@@ -5,14 +5,20 @@
 
 mod common;
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::eventually;
-use common::fencing::{assert_refused, fenced_merge, move_lease, Held, Protected};
+use common::fencing::{
+    assert_refused, create, fenced_merge, move_lease, protected_meta, Held, Protected,
+};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::PostParams;
 use kube::Api;
+use tokio::sync::watch;
 
 /// How soon the webhook turns unready (and ready again) after it loses (regains) the API
 /// server, as README claims: a probe every 2 s with a 2 s timeout, or at once on a failed read.
@@ -165,4 +171,100 @@ async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_c
             .map(String::as_str),
         Some("c")
     );
+}
+
+/// The writers of the concurrent test, each with an object of its own: writers of one object
+/// would mostly wait for each other.
+const WRITERS: u64 = 16;
+
+/// One writer of the concurrent test: writes object `w{i}` with the token in `tokens`, out of
+/// step with the others, until `stop`; returns when each write began, its token and outcome.
+async fn writer(
+    cms: Api<ConfigMap>,
+    i: u64,
+    tokens: watch::Receiver<Held>,
+    stop: Arc<AtomicBool>,
+) -> Vec<(Instant, i64, Result<(), (u16, String)>)> {
+    let mut seen = Vec::new();
+    for n in 0u64.. {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        // Out of step, so that some writes begin while a read is in flight.
+        tokio::time::sleep(Duration::from_millis((i * 37 + n * 53) % 120)).await;
+        let h = tokens.borrow().clone();
+        let began = Instant::now();
+        let patch = serde_json::json!({"data": {"n": n.to_string()}});
+        let r = fenced_merge(&cms, &format!("w{i}"), &h, patch).await;
+        seen.push((began, h.token, r.map(|_| ())));
+    }
+    seen
+}
+
+/// Concurrent writes share fresh reads (src/webhook/coalesce.rs), and sharing never decides a
+/// write on a read older than the write. The watch is frozen, so the cache keeps showing A as
+/// the holder and every write goes to a fresh read, and reads are slow (100 ms a chunk), so a
+/// read is in flight when the lease moves. 16 writers keep writing with the holder's token,
+/// and for a second more with it after the lease moves on (four times): no write begun after
+/// its token's holder was replaced is allowed (a write that joined a read sent before the move
+/// would be).
+#[tokio::test]
+async fn concurrent_writes_share_reads_but_none_begun_after_the_lease_moved_is_allowed() {
+    let s = setup("coalesce").await;
+    for i in 0..WRITERS {
+        let meta = protected_meta(&format!("w{i}"), "inv", &s.a);
+        create(&s.cms, serde_json::json!({"metadata": meta, "data": {}}))
+            .await
+            .expect("create a protected ConfigMap");
+    }
+    s.proxy().slow_new_connections(Duration::from_millis(100));
+    s.proxy().freeze_open_connections();
+    write_past_frozen_connections(&s.cms, &s.a, "a")
+        .await
+        .expect("A writes with the current token");
+    let (tokens, rx) = watch::channel(s.a.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|i| tokio::spawn(writer(s.cms.clone(), i, rx.clone(), stop.clone())))
+        .collect();
+    let mut stale_since = HashMap::new();
+    for holder in ["pod-b", "pod-c", "pod-d", "pod-e"] {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let old = tokens.borrow().token;
+        let new = move_lease(&s.client, &s.ns.name, "inv", holder).await;
+        stale_since.insert(old, Instant::now());
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        tokens.send_replace(new);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut allowed, mut stale_refused) = (0, 0);
+    for w in writers {
+        for (began, token, r) in w.await.expect("a writer") {
+            let stale = stale_since.get(&token).is_some_and(|t| began > *t);
+            match r {
+                Ok(()) if stale => panic!(
+                    "a write with token {token}, begun after its holder was replaced, was allowed"
+                ),
+                Ok(()) => allowed += 1,
+                Err((409, m)) if stale && m.contains("stale token") => stale_refused += 1,
+                Err(_) => {}
+            }
+        }
+    }
+    let m = s.webhook().metrics();
+    let metric = |name| common::metric_value(&m, name);
+    let shared = metric("fencedlease_webhook_fresh_reads_shared_total");
+    eprintln!(
+        "{allowed} allowed, {stale_refused} refused as stale; {} fresh reads, {shared} writes on a shared read",
+        metric("fencedlease_webhook_fresh_reads_total")
+    );
+    assert!(
+        allowed > 0 && stale_refused > 0,
+        "writes with current and with stale tokens"
+    );
+    assert!(
+        metric("fencedlease_webhook_cache_lag_caught_total") >= 1.0,
+        "the frozen cache would have allowed stale tokens:\n{m}"
+    );
+    assert!(shared >= 1.0, "16 writers on one lease share reads:\n{m}");
 }

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -23,6 +24,8 @@ pub struct ApiProxy {
     pub kubeconfig: PathBuf,
     mode: watch::Sender<Mode>,
     next_id: Arc<AtomicU64>,
+    /// Milliseconds by which connections opened from now on delay each answer chunk.
+    delay_ms: Arc<AtomicU64>,
 }
 
 impl ApiProxy {
@@ -43,6 +46,8 @@ impl ApiProxy {
         let (mode, rx) = watch::channel(Mode::Open);
         let next_id = Arc::new(AtomicU64::new(0));
         let ids = next_id.clone();
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let delay = delay_ms.clone();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -52,7 +57,8 @@ impl ApiProxy {
                 let listener = TcpListener::from_std(std_listener).expect("tokio listener");
                 while let Ok((client, _)) = listener.accept().await {
                     let id = ids.fetch_add(1, Ordering::SeqCst);
-                    tokio::spawn(forward(id, client, upstream, rx.clone()));
+                    let d = Duration::from_millis(delay.load(Ordering::SeqCst));
+                    tokio::spawn(forward(id, client, upstream, rx.clone(), d));
                 }
             });
         });
@@ -66,6 +72,7 @@ impl ApiProxy {
             kubeconfig,
             mode,
             next_id,
+            delay_ms,
         }
     }
 
@@ -73,6 +80,13 @@ impl ApiProxy {
     pub fn freeze_open_connections(&self) {
         let below = self.next_id.load(Ordering::SeqCst);
         self.mode.send_replace(Mode::Freeze(below));
+    }
+
+    /// Connections opened from now on hold each chunk of the API server's answers for `delay`
+    /// (a slow API server: every read takes at least that long).
+    pub fn slow_new_connections(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).expect("a delay in milliseconds");
+        self.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Closes every connection and refuses new ones.
@@ -91,6 +105,7 @@ async fn forward(
     mut client: TcpStream,
     upstream: SocketAddr,
     mut rx: watch::Receiver<Mode>,
+    delay: Duration,
 ) {
     if *rx.borrow_and_update() == Mode::Cut {
         return;
@@ -99,7 +114,7 @@ async fn forward(
         return;
     };
     let frozen = {
-        let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
+        let copy = copy_both_ways(&mut client, &mut server, delay);
         tokio::pin!(copy);
         loop {
             tokio::select! {
@@ -125,5 +140,36 @@ async fn forward(
         if *rx.borrow_and_update() == Mode::Cut {
             return;
         }
+    }
+}
+
+/// Copies both ways until either side is done; with a delay, holds each chunk from the server
+/// that long before passing it on.
+async fn copy_both_ways(client: &mut TcpStream, server: &mut TcpStream, delay: Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if delay.is_zero() {
+        let _ = tokio::io::copy_bidirectional(client, server).await;
+        return;
+    }
+    let (mut client_rd, mut client_wr) = client.split();
+    let (mut server_rd, mut server_wr) = server.split();
+    let up = tokio::io::copy(&mut client_rd, &mut server_wr);
+    let down = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match server_rd.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    tokio::time::sleep(delay).await;
+                    if client_wr.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
     }
 }
