@@ -178,7 +178,7 @@ where
 
     /// Gives every member still waiting the outcome; members whose callers hung up are skipped.
     fn deliver(&self, batch: Batch<V>, outcome: &Outcome<V>) {
-        let shared = batch.len() > 1;
+        let shared = batch.iter().filter(|m| !m.is_closed()).count() > 1;
         for member in batch {
             if member.send(outcome.clone()).is_ok() && shared {
                 self.counters.shared.inc();

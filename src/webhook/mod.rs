@@ -242,7 +242,7 @@ impl WebhookMetrics {
         );
         r.register(
             "fencedlease_webhook_fresh_reads_shared",
-            "Writes decided on a lease or namespace read shared with other writes (a read sent after each of them arrived; see fencedlease_webhook_fresh_reads)",
+            "Fresh reads of a lease or namespace that a write needed and got from a read shared with other writes (sent after each of them arrived); a refused write can count twice, for its lease and its namespace",
             m.fresh_reads_shared.clone(),
         );
         r.register(
