@@ -90,11 +90,15 @@ def unregister(kube: Kube, ns: str, name: str) -> None:
 
 
 COUNTERS = ("fencedlease_webhook_admissions_total", "fencedlease_webhook_connections_refused_total",
-            "fencedlease_webhook_connections_closed_total")
+            "fencedlease_webhook_connections_closed_total", "fencedlease_webhook_fresh_reads_total",
+            "fencedlease_webhook_fresh_reads_shared_total")
+# The counters that say what the webhook read (src/webhook/coalesce.rs), apart from its connections.
+READ_COUNTERS = ("admissions", "fresh_reads")
 
 
 def counters(mport: int) -> dict[str, float]:
-    """A replica's admissions, and its connections refused and closed by reason."""
+    """A replica's admissions, its fresh reads (sent, and shared by several writes), and its
+    connections refused and closed by reason."""
     text = lib.http_get(mport, "/metrics")
     out = {}
     for name in COUNTERS:
@@ -157,8 +161,10 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
         f"{s['plain']['p50']:.2f} p99 {s['plain']['p99']:.2f} ms, refused p99 {s['stale']['p99']:.2f} ms; "
         f"added p50 {diff['protected']['p50']:.2f} p99 {diff['protected']['p99']:.2f} ms "
         f"(95 % {res['added_p99_ci95_ms'][0]:.2f}-{res['added_p99_ci95_ms'][1]:.2f}); failed {failed}; "
-        f"reviews per replica {[int(x) for x in spread]}; connections refused or closed: "
-        f"{[{k: int(v) for k, v in r.items() if not k.startswith('admissions')} for r in per_replica]}")
+        f"reviews per replica {[int(x) for x in spread]}; fresh reads sent, shared: "
+        f"{[(int(r.get('fresh_reads', 0)), int(r.get('fresh_reads_shared', 0))) for r in per_replica]}; "
+        f"connections refused or closed: "
+        f"{[{k: int(v) for k, v in r.items() if not k.startswith(READ_COUNTERS)} for r in per_replica]}")
     return res
 
 
