@@ -644,18 +644,14 @@ def main() -> None:
                                 "binary_mib": {k: r3(v["bytes"] / 2**20) for k, v in sizes.items()}, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
                                                                         for w, v in lat.items()},
                                 "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
-        if rows:
-            worst_rss = max(r["rss_mib"] for r in rows)
-            worst_cpu = max(r["cpu_ms_per_s"] for r in rows)
-            verdict("sidecar, the operator's image (default build): < 8 MiB RSS and < 1 ms CPU per second idle",
-                    worst_rss < 8 and worst_cpu < 1,
-                    f"largest of {len(rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
-        if build_rows:
-            worst_rss = max(r["rss_mib"] for r in build_rows)
-            worst_cpu = max(r["cpu_ms_per_s"] for r in build_rows)
-            verdict("sidecar, the injected image (the sidecar's build): < 8 MiB RSS and < 1 ms CPU per second idle",
-                    worst_rss < 8 and worst_cpu < 1,
-                    f"largest of {len(build_rows)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
+        for image, judged in (("the operator's image (default build)", rows),
+                              ("the injected image (the sidecar's build)", build_rows)):
+            if judged:
+                worst_rss = max(r["rss_mib"] for r in judged)
+                worst_cpu = max(r["cpu_ms_per_s"] for r in judged)
+                verdict(f"sidecar, {image}: < 8 MiB RSS and < 1 ms CPU per second idle",
+                        worst_rss < 8 and worst_cpu < 1,
+                        f"largest of {len(judged)}: RSS {worst_rss:.1f} MiB, CPU {worst_cpu:.3f} ms/s")
 
     # -- many live leases (issue 21) --------------------------------------------------------------
     d = load(run, "many-leases")
