@@ -289,6 +289,9 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
         lib.stop_all([wh])
     allowed = (lib.metric_values(after, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0)
                - lib.metric_values(before, "fencedlease_webhook_admissions_total").get('{result="allowed"}', 0))
+    # The protocol the API server's webhook client chose for a URL-registered webhook (ALPN).
+    opened = lib.metric_values(after, "fencedlease_webhook_connections_accepted_total")
+    log(f"  connections accepted by the webhook, by protocol: {opened}")
     # All runs together: the difference of the pooled percentiles, with a bootstrap interval
     # (how much of it is sampling: a p99 rests on the slowest 1 % of each side).
     sp, sl, sr = stats(every["protected"]), stats(every["plain"]), stats(every["refused"])
@@ -297,7 +300,7 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
     # The API server's own timing of the webhook call, over all runs together.
     calls = webhook_call_ms({}, pooled)
     res = {"namespace": ns, "updates_each": args.updates, "repeat": args.repeat, "non_200": bad,
-           "webhook_allowed_reviews": allowed, "runs": runs,
+           "webhook_allowed_reviews": allowed, "connections_accepted": opened, "runs": runs,
            "protected_ms": sp, "plain_ms": sl, "added_ms": added,
            "refused_ms": sr, "refused_added_ms": refused_added,
            "refused_added_p99_ci95_ms": lib.bootstrap_ci(every["refused"], every["plain"], 99),

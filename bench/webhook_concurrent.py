@@ -89,7 +89,8 @@ def unregister(kube: Kube, ns: str, name: str) -> None:
                  f"?labelSelector=kubernetes.io/service-name={SERVICE}", ok=(200, 404))
 
 
-COUNTERS = ("fencedlease_webhook_admissions_total", "fencedlease_webhook_connections_refused_total",
+COUNTERS = ("fencedlease_webhook_admissions_total", "fencedlease_webhook_connections_accepted_total",
+            "fencedlease_webhook_connections_refused_total",
             "fencedlease_webhook_connections_closed_total", "fencedlease_webhook_fresh_reads_total",
             "fencedlease_webhook_fresh_reads_shared_total")
 # The counters that say what the webhook read (src/webhook/coalesce.rs), apart from its connections.
@@ -97,8 +98,8 @@ READ_COUNTERS = ("admissions", "fresh_reads")
 
 
 def counters(mport: int) -> dict[str, float]:
-    """A replica's admissions, its fresh reads (sent, and shared by several writes), and its
-    connections refused and closed by reason."""
+    """A replica's admissions, its fresh reads (sent, and shared by several writes), its
+    connections accepted by protocol (what ALPN chose), and refused and closed by reason."""
     text = lib.http_get(mport, "/metrics")
     out = {}
     for name in COUNTERS:
@@ -163,7 +164,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
         f"(95 % {res['added_p99_ci95_ms'][0]:.2f}-{res['added_p99_ci95_ms'][1]:.2f}); failed {failed}; "
         f"reviews per replica {[int(x) for x in spread]}; fresh reads sent, shared: "
         f"{[(int(r.get('fresh_reads', 0)), int(r.get('fresh_reads_shared', 0))) for r in per_replica]}; "
-        f"connections refused or closed: "
+        f"connections accepted, refused or closed: "
         f"{[{k: int(v) for k, v in r.items() if not k.startswith(READ_COUNTERS)} for r in per_replica]}")
     return res
 

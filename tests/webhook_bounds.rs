@@ -179,6 +179,18 @@ impl TestServer {
             .unwrap_or(0.0)
     }
 
+    fn refused(&self, reason: &str) -> f64 {
+        self.metric(&format!(
+            "fencedlease_webhook_connections_refused_total{{reason=\"{reason}\"}}"
+        ))
+    }
+
+    fn accepted(&self, protocol: &str) -> f64 {
+        self.metric(&format!(
+            "fencedlease_webhook_connections_accepted_total{{protocol=\"{protocol}\"}}"
+        ))
+    }
+
     fn closed(&self, reason: &str) -> f64 {
         self.metric(&format!(
             "fencedlease_webhook_connections_closed_total{{reason=\"{reason}\"}}"
@@ -403,13 +415,8 @@ async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
     }
     let mut api = srv.h2_from("127.0.0.1").await;
     assert_eq!(post(&mut api, review(100)).await, "read 100");
-    let refused = |r: &str| {
-        srv.metric(&format!(
-            "fencedlease_webhook_connections_refused_total{{reason=\"{r}\"}}"
-        ))
-    };
-    assert_eq!(refused("peer_full"), 2.0);
-    assert_eq!(refused("server_full"), 1.0);
+    assert_eq!(srv.refused("peer_full"), 2.0);
+    assert_eq!(srv.refused("server_full"), 1.0);
     assert_eq!(srv.closed("tls_timeout"), 6.0);
     assert_eq!(srv.metric("fencedlease_webhook_connections_open"), 1.0);
     srv.stop().await;
@@ -469,12 +476,64 @@ async fn a_connection_beyond_the_bounds_waits_for_a_slot() {
         closed_by(&mut late, waited + Duration::from_millis(2500)).await,
         "a waiting connection outlived slot_wait"
     );
-    let refused = |r: &str| {
-        srv.metric(&format!(
-            "fencedlease_webhook_connections_refused_total{{reason=\"{r}\"}}"
-        ))
+    assert_eq!(srv.refused("queue_full"), 1.0, "the fourth, closed at once");
+    assert_eq!(
+        srv.refused("peer_full"),
+        1.0,
+        "the late one, after slot_wait"
+    );
+    // What ALPN chose is counted: the first and third offered h2, the second and the holder
+    // HTTP/1.1 (the API server's webhook client offers nothing else).
+    assert_eq!(srv.accepted("h2"), 2.0);
+    assert_eq!(srv.accepted("http1"), 2.0);
+    srv.stop().await;
+}
+
+/// One address cannot take every place in the queue: with a place per address and two in
+/// all, a pod's second waiting connection is closed at once, and the API server's still waits
+/// and is served when a slot frees.
+#[tokio::test]
+async fn a_pod_cannot_take_every_place_in_the_queue() {
+    let limits = Limits {
+        max_connections: 2,
+        max_connections_per_peer: 1,
+        slot_wait: Duration::from_secs(5),
+        max_waiting: 2,
+        max_waiting_per_peer: 1,
+        ..Limits::default()
     };
-    assert_eq!(refused("peer_full"), 2.0);
+    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut api = srv.h2_from("127.0.0.1").await;
+    assert_eq!(post(&mut api, review(10)).await, "read 10");
+    let _pod = srv.tls_from("127.0.0.2", b"http/1.1").await;
+    // The pod's next connection waits; the one after it is closed at once.
+    let mut pod_waits = srv.tcp_from("127.0.0.2").await;
+    let mut pod_closed = srv.tcp_from("127.0.0.2").await;
+    let soon = Instant::now() + Duration::from_millis(300);
+    assert!(
+        closed_by(&mut pod_closed, soon).await,
+        "a pod's second waiter was kept"
+    );
+    assert!(!closed_by(&mut pod_waits, Instant::now() + Duration::from_millis(100)).await);
+    // The API server's second connection finds a place, and the slot its first gives back.
+    let t0 = Instant::now();
+    let (answer, ()) = tokio::join!(
+        async {
+            let mut again = srv.h2_from("127.0.0.1").await;
+            post(&mut again, review(20)).await
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(api);
+        }
+    );
+    assert_eq!(answer, "read 20");
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "served after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(srv.refused("queue_full"), 1.0);
     srv.stop().await;
 }
 

@@ -4,10 +4,11 @@
 //!
 //! - Connections: at most [`Limits::max_connections`] at once and
 //!   [`Limits::max_connections_per_peer`] from one IP address. A connection beyond either waits
-//!   up to [`Limits::slot_wait`] for a slot (at most [`Limits::max_waiting`] wait at once), and is
-//!   closed unserved if none frees: the API server calls a webhook registered by a Service over
-//!   HTTP/1.1, one connection per admission in flight, so a burst must become a short wait, not
-//!   failed writes.
+//!   up to [`Limits::slot_wait`] for a slot (at most [`Limits::max_waiting`] wait at once,
+//!   [`Limits::max_waiting_per_peer`] of one address), and is closed unserved if none frees: the
+//!   API server calls a webhook over HTTP/1.1, one connection per admission in flight, so a
+//!   burst must become a wait, not failed writes (a dial it sees closed fails the call that
+//!   waits for it).
 //! - Time: a TLS handshake, a request's headers, a request's body, an idle connection and any
 //!   connection at all each have a deadline; at the last two the connection is told to finish
 //!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
@@ -85,7 +86,7 @@ const TASK_BYTES: usize = 8 * KIB;
 /// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
 /// - 64 connections x 576 KiB = 36 MiB;
-/// - 32 connections waiting for a slot, each its kernel receive queue: 2 MiB;
+/// - 64 connections waiting for a slot, each its kernel receive queue: 4 MiB;
 /// - request bodies and answers: the 16 MiB budget (an answer larger than its body takes the
 ///   difference, [`answer_within`], and holds it until sent), and as much again for judging
 ///   bodies (the guard of [`read_body_bounded`] is held until the answer is sent) = 32 MiB. The parsers keep
@@ -94,23 +95,29 @@ const TASK_BYTES: usize = 8 * KIB;
 ///   (`tests/webhook_memory.rs`, `bench/webhook_memory.py`; it was ~100 MiB for tiny labels
 ///   at /validate, 265 MiB for empty arrays and gigabytes for empty containers at /mutate);
 ///
-/// = 110 MiB, which leaves 18 MiB of the 128 MiB limit for what this does not see (more than
-/// the 16 MiB [`HEADROOM_BYTES`] the tests insist on).
+/// = 112 MiB, which leaves 16 MiB of the 128 MiB limit for what this does not see (the
+/// [`HEADROOM_BYTES`] the tests insist on).
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Connections served at once. The API server calls a webhook registered by a Service (as
-    /// the chart does) over HTTP/1.1, one connection per admission in flight, keeping up to 25
-    /// idle; one registered by a localhost URL over HTTP/2.
+    /// Connections served at once. The API server calls a webhook over HTTP/1.1 (its webhook
+    /// client offers no other protocol, whether registered by a Service or a URL), one
+    /// connection per admission in flight, keeping up to 25 idle.
     pub max_connections: usize,
     /// Connections from one IP address at once: an API server's admissions in flight at this
     /// replica, beyond which its calls wait; and what one pod can take, so that it cannot take
     /// every slot from the API server.
     pub max_connections_per_peer: usize,
     /// How long a connection beyond either bound waits for a slot (before its TLS handshake)
-    /// before it is closed unserved.
+    /// before it is closed unserved. Longer than the chart's webhook timeouts: the API server
+    /// dials a connection for an admission that finds none idle, and if one frees first it
+    /// sends the admission there; a dial we close unserved fails only an admission still
+    /// waiting for it, and none waits longer than its timeout.
     pub slot_wait: Duration,
     /// Connections waiting for a slot at once; beyond them a connection is closed at once.
     pub max_waiting: usize,
+    /// Connections of one IP address waiting at once, so that one pod cannot take every place
+    /// in the queue from the API server.
+    pub max_waiting_per_peer: usize,
     /// A TLS handshake not finished by then is dropped.
     pub tls_handshake_timeout: Duration,
     /// HTTP/1: a request whose headers have not all arrived this long after its first byte
@@ -155,8 +162,9 @@ impl Default for Limits {
         Limits {
             max_connections: 64,
             max_connections_per_peer: 48,
-            slot_wait: Duration::from_secs(1),
-            max_waiting: 32,
+            slot_wait: Duration::from_secs(10),
+            max_waiting: 64,
+            max_waiting_per_peer: 48,
             tls_handshake_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
@@ -208,10 +216,16 @@ struct ReasonLabel {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProtocolLabel {
+    protocol: &'static str,
+}
+
 /// What the server's bounds did, for Prometheus. `reason` is one of a fixed set of words.
 #[derive(Clone, Debug, Default)]
 pub struct ServerMetrics {
     open: Gauge,
+    accepted: Family<ProtocolLabel, Counter>,
     refused: Family<ReasonLabel, Counter>,
     closed: Family<ReasonLabel, Counter>,
     buffered: Gauge,
@@ -227,8 +241,13 @@ impl ServerMetrics {
             m.open.clone(),
         );
         r.register(
+            "fencedlease_webhook_connections_accepted",
+            "Connections whose TLS handshake completed, by the protocol ALPN chose: h2 or http1",
+            m.accepted.clone(),
+        );
+        r.register(
             "fencedlease_webhook_connections_refused",
-            "Connections closed unserved after waiting for a slot, or at once when too many wait: server_full (max connections reached), peer_full (max connections from that address), shutdown (the server stopped while it waited)",
+            "Connections closed unserved: server_full or peer_full (no slot freed within the slot wait: max connections reached, max connections from that address), queue_full (closed at once: as many wait as may, in all or from that address), shutdown (the server stopped while it waited)",
             m.refused.clone(),
         );
         r.register(
@@ -251,6 +270,13 @@ impl ServerMetrics {
 
     fn closed(&self, reason: &'static str) {
         self.closed.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    fn accepted(&self, h2: bool) {
+        let protocol = if h2 { "h2" } else { "http1" };
+        self.accepted
+            .get_or_create(&ProtocolLabel { protocol })
+            .inc();
     }
 
     fn refused(&self, reason: &'static str) {
@@ -741,15 +767,11 @@ struct Gate {
 }
 
 impl Gate {
-    /// Both slots at once, or the bound that is full.
-    fn now(&self, ip: IpAddr) -> Result<Slot, &'static str> {
-        let peer = self.peers.take(ip).ok_or("peer_full")?;
-        let server = self
-            .slots
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| "server_full")?;
-        Ok(self.slot(server, peer))
+    /// Both slots at once, if both are free.
+    fn now(&self, ip: IpAddr) -> Option<Slot> {
+        let peer = self.peers.take(ip)?;
+        let server = self.slots.clone().try_acquire_owned().ok()?;
+        Some(self.slot(server, peer))
     }
 
     /// Both slots, waiting up to [`Limits::slot_wait`] (the peer's first), or the bound that
@@ -855,6 +877,7 @@ async fn connection(
             Err(_) => return ctx.metrics.closed("tls_timeout"),
         };
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+    ctx.metrics.accepted(h2);
     let (busy_tx, busy_rx) = watch::channel(0usize);
     let busy = Arc::new(busy_tx);
     // HTTP/1: the first request's headers are due within the header timeout of the handshake
@@ -912,35 +935,66 @@ fn ended(
     }
 }
 
-/// Serves an accepted connection: at once if both its slots are free; else, if fewer than
-/// [`Limits::max_waiting`] wait, once they are within [`Limits::slot_wait`]; else it is closed.
+/// The places in the queue for a slot: [`Limits::max_waiting`] in all,
+/// [`Limits::max_waiting_per_peer`] for one address.
+#[derive(Clone)]
+struct Queue {
+    all: Arc<Semaphore>,
+    peers: PeerSlots,
+}
+
+/// A place in the queue, given back when dropped.
+struct Place {
+    _all: OwnedSemaphorePermit,
+    _peer: PeerSlot,
+}
+
+impl Queue {
+    fn new(limits: &Limits) -> Queue {
+        let all = limits.max_waiting.min(Semaphore::MAX_PERMITS);
+        Queue {
+            all: Arc::new(Semaphore::new(all)),
+            peers: PeerSlots::new(limits.max_waiting_per_peer),
+        }
+    }
+
+    /// A place for a connection of `ip`, if its address and the queue have room.
+    fn place(&self, ip: IpAddr) -> Option<Place> {
+        let peer = self.peers.take(ip)?;
+        let all = self.all.clone().try_acquire_owned().ok()?;
+        Some(Place {
+            _all: all,
+            _peer: peer,
+        })
+    }
+}
+
+/// Serves an accepted connection: at once if both its slots are free; else, if the queue has a
+/// place for it, once they are within [`Limits::slot_wait`]; else it is closed.
 fn admit(
     tcp: TcpStream,
     peer: SocketAddr,
     gate: &Gate,
-    waiting: &Arc<Semaphore>,
+    queue: &Queue,
     ctx: &Arc<Ctx>,
     stop: CancellationToken,
 ) {
-    match gate.now(peer.ip()) {
-        Ok(slot) => {
-            tokio::spawn(connection(tcp, peer, ctx.clone(), stop, slot));
-        }
-        Err(full) => match waiting.clone().try_acquire_owned() {
-            Ok(waiter) => {
-                let (gate, ctx) = (gate.clone(), ctx.clone());
-                tokio::spawn(async move {
-                    let slot = gate.by(peer.ip(), &stop).await;
-                    drop(waiter);
-                    match slot {
-                        Ok(slot) => connection(tcp, peer, ctx, stop, slot).await,
-                        Err(reason) => ctx.metrics.refused(reason),
-                    }
-                });
-            }
-            Err(_) => ctx.metrics.refused(full), // dropping the connection closes it
-        },
+    if let Some(slot) = gate.now(peer.ip()) {
+        tokio::spawn(connection(tcp, peer, ctx.clone(), stop, slot));
+        return;
     }
+    let Some(place) = queue.place(peer.ip()) else {
+        return ctx.metrics.refused("queue_full"); // dropping the connection closes it
+    };
+    let (gate, ctx) = (gate.clone(), ctx.clone());
+    tokio::spawn(async move {
+        let slot = gate.by(peer.ip(), &stop).await;
+        drop(place);
+        match slot {
+            Ok(slot) => connection(tcp, peer, ctx, stop, slot).await,
+            Err(reason) => ctx.metrics.refused(reason),
+        }
+    });
 }
 
 /// Binds the HTTPS listener, every accepted socket with the receive buffer of `limits`.
@@ -974,9 +1028,7 @@ pub async fn serve(
         wait: limits.slot_wait,
         open: metrics.open.clone(),
     };
-    let waiting = Arc::new(Semaphore::new(
-        limits.max_waiting.min(Semaphore::MAX_PERMITS),
-    ));
+    let queue = Queue::new(&limits);
     let ctx = Arc::new(Ctx {
         acceptor: tokio_rustls::TlsAcceptor::from(tls),
         app,
@@ -1004,7 +1056,7 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             debug!(%peer, error = %e, "could not set TCP_NODELAY");
         }
-        admit(tcp, peer, &gate, &waiting, &ctx, connections.clone());
+        admit(tcp, peer, &gate, &queue, &ctx, connections.clone());
     }
     drop(listener);
     let open = max - slots.available_permits();
@@ -1158,6 +1210,14 @@ mod tests {
                 .expect("values.yaml");
         assert_eq!(values["webhook"]["resources"]["limits"]["memory"], "128Mi");
         assert_eq!(CHART_MEMORY_LIMIT_BYTES, 128 * MIB);
+        // A waiting dial outlasts the admission it was made for (see `slot_wait`).
+        for hook in ["fencing", "injection"] {
+            let timeout = values[hook]["timeoutSeconds"]
+                .as_u64()
+                .expect("timeoutSeconds");
+            assert!(l.slot_wait >= Duration::from_secs(timeout), "{hook}");
+        }
+        assert!(l.max_waiting_per_peer < l.max_waiting);
     }
 
     #[test]
