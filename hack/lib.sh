@@ -35,6 +35,18 @@ with_heartbeat() {
   log "$label: done in $((SECONDS - start)) s"
 }
 
+# need_disk GIB WHY PATH: stop, saying what to do, when the filesystem holding PATH (or its nearest
+# existing parent) has less than GIB GiB free; a full disk otherwise shows up minutes later as a
+# linker's bus error or "No space left on device" in the middle of a build.
+need_disk() {
+  local gib="$1" why="$2" path="$3" free
+  while [ ! -e "$path" ]; do path=$(dirname "$path"); done
+  free=$(df -Pk "$path" | awk 'NR == 2 { print int($4 / 1048576) }')
+  [ "$free" -ge "$gib" ] ||
+    die "only $free GiB free on the filesystem of $path; $why needs about $gib GiB: free some (cargo clean in other checkouts, old /tmp/fencedlease-* folders) and rerun"
+  log "disk: $free GiB free on the filesystem of $path ($why needs about $gib GiB)"
+}
+
 # alive PID: the process exists and is not a zombie waiting for its parent to reap it.
 alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
 
