@@ -16,14 +16,15 @@ cd "$FL_REPO"
 [ "${1:-}" = "--" ] && shift
 command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs), then rerun"
 apt_install curl openssl iproute2 procps
-# .ci/run from a fresh clone on a fresh machine (2026-12-02) grew the disk's use by 22.8 GiB:
-# Kubernetes' builds, both releases, with Go's caches 7.9 GiB; cargo's target folder 7.3 GiB, of
-# which 3.1 GiB incremental caches (which .ci/run now turns off); the rest clusters, images, logs.
+# .ci/run from a fresh clone on a fresh machine (2026-12-02) grew the disk's use by about 16.7
+# GiB: Kubernetes' builds, both releases, with Go's caches 7.9 GiB; cargo's target folder 7.3
+# GiB, of which 3.1 GiB incremental caches (which .ci/run now turns off); the rest crates, Go
+# 1.19, clusters, images, logs.
 k8s_cold=0
 for v in "$FL_K8S_DEFAULT_VERSION" "$FL_K8S_LEGACY_VERSION"; do
-  [ -x "$FL_CACHE/k8s-$v/bin/kube-apiserver" ] || k8s_cold=10
+  [ -x "$FL_CACHE/k8s-$v/bin/kube-apiserver" ] || k8s_cold=8
 done
-need_disk $((12 + k8s_cold)) "the test suite$([ $k8s_cold = 0 ] || echo ", building Kubernetes first,")" \
+need_disk $((8 + k8s_cold)) "the test suite$([ $k8s_cold = 0 ] || echo ", building Kubernetes first,")" \
   "${CARGO_TARGET_DIR:-$FL_REPO/target}"
 
 started_cluster=0 started_node=0
