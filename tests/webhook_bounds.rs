@@ -557,26 +557,42 @@ async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
     srv.stop().await;
 }
 
-/// A connection that finishes TLS and never sends a request meets the header timeout, as a
-/// slow one does, and is dropped at once (no request is in flight to wait for).
+/// A connection that finishes TLS and sends nothing is idle, and meets the idle timeout; one
+/// whose request's headers stall meets the header timeout and is dropped at once (no request
+/// is in flight to wait for).
 #[tokio::test]
-async fn a_silent_http1_connection_is_closed_at_the_header_timeout() {
+async fn a_silent_http1_connection_waits_as_an_idle_one_not_as_a_slow_request() {
     let limits = Limits {
         header_read_timeout: Duration::from_millis(300),
-        idle_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_millis(1500),
         shutdown_grace: Duration::from_secs(5),
         ..Limits::default()
     };
     let srv = TestServer::start(limits, Duration::ZERO).await;
     let mut silent = srv.tls_from("127.0.0.1", b"http/1.1").await;
     let t0 = Instant::now();
+    // The API server keeps a connection it dialled and did not need idle in its pool: past
+    // the header timeout it is still open, and closed at the idle timeout.
     assert!(
-        closed_by(&mut silent, t0 + Duration::from_millis(1500)).await,
-        "a silent HTTP/1 connection outlived the header timeout"
+        !closed_by(&mut silent, t0 + Duration::from_millis(1000)).await,
+        "a new HTTP/1 connection was closed before its first byte, at the header timeout"
     );
     assert!(
-        t0.elapsed() >= Duration::from_millis(250),
-        "closed before the header timeout"
+        closed_by(&mut silent, t0 + Duration::from_millis(3000)).await,
+        "a silent HTTP/1 connection outlived the idle timeout"
+    );
+    assert_eq!(srv.closed("idle"), 1.0);
+    assert_eq!(srv.closed("header_timeout"), 0.0);
+    // Once a request begins, its headers are due within the header timeout.
+    let mut slow = srv.tls_from("127.0.0.1", b"http/1.1").await;
+    slow.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    slow.flush().await.expect("flush");
+    let t1 = Instant::now();
+    assert!(
+        closed_by(&mut slow, t1 + Duration::from_millis(1200)).await,
+        "unfinished headers outlived the header timeout"
     );
     assert_eq!(srv.closed("header_timeout"), 1.0);
     assert_eq!(srv.closed("grace_expired"), 0.0);

@@ -6,9 +6,9 @@
 //!   [`Limits::max_connections_per_peer`] from one IP address. A connection beyond either waits
 //!   up to [`Limits::slot_wait`] for a slot (at most [`Limits::max_waiting`] wait at once,
 //!   [`Limits::max_waiting_per_peer`] of one address), and is closed unserved if none frees: the
-//!   API server calls a webhook over HTTP/1.1, one connection per admission in flight, so a
-//!   burst must become a wait, not failed writes (a dial it sees closed fails the call that
-//!   waits for it).
+//!   API server calls a webhook registered by a Service (as the chart registers it) over
+//!   HTTP/1.1, one connection per admission in flight, so a burst must become a wait, not failed
+//!   writes (a dial it sees closed fails the call that waits for it).
 //! - Time: a TLS handshake, a request's headers, a request's body, an idle connection and any
 //!   connection at all each have a deadline; at the last two the connection is told to finish
 //!   (HTTP/2 GOAWAY, HTTP/1 close after the answer) and is dropped after a grace period.
@@ -99,9 +99,10 @@ const TASK_BYTES: usize = 8 * KIB;
 /// [`HEADROOM_BYTES`] the tests insist on).
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Connections served at once. The API server calls a webhook over HTTP/1.1 (its webhook
-    /// client offers no other protocol, whether registered by a Service or a URL), one
-    /// connection per admission in flight, keeping up to 25 idle.
+    /// Connections served at once. The API server calls a webhook registered by a Service (as
+    /// the chart does) over HTTP/1.1, one connection per admission in flight, keeping up to 25
+    /// idle; one registered by a URL over HTTP/2, on one connection (both as the webhook
+    /// benchmarks measured with `fencedlease_webhook_connections_accepted`).
     pub max_connections: usize,
     /// Connections from one IP address at once: an API server's admissions in flight at this
     /// replica, beyond which its calls wait; and what one pod can take, so that it cannot take
@@ -880,9 +881,12 @@ async fn connection(
     ctx.metrics.accepted(h2);
     let (busy_tx, busy_rx) = watch::channel(0usize);
     let busy = Arc::new(busy_tx);
-    // HTTP/1: the first request's headers are due within the header timeout of the handshake
-    // (a connection that never sends one is closed then, as a slow one is).
-    let (arrived_tx, arrived_rx) = watch::channel((!h2).then(Instant::now));
+    // HTTP/1: every request's headers, the first's too, are due within the header timeout of
+    // its first byte. Until then a new connection is idle, as one between requests is: the API
+    // server keeps a connection it dialled and did not need (a dial that lost the race to a
+    // connection freed meanwhile) idle in its pool, and a close of ours could cross the first
+    // request it sends on it, which it would not retry on a connection never used.
+    let (arrived_tx, arrived_rx) = watch::channel(None);
     let arrived = Arc::new(arrived_tx);
     let io = Noted {
         inner: tls,
