@@ -1,6 +1,7 @@
 //! The webhook's HTTPS server keeps its bounds under a flood and still answers the API server:
-//! surplus connections are closed at once, silent and slow ones by their timeouts, bodies stay
-//! within the shared byte budget, and shutdown lets requests in flight finish.
+//! surplus connections wait in a bounded queue for a slot (beyond it they are closed at once),
+//! silent and slow ones are closed by their timeouts, bodies stay within the shared byte
+//! budget, and shutdown lets requests in flight finish and closes the waiting ones at once.
 //!
 //! Everything runs in this process on loopback (127.0.0.1 is "the API server", 127.0.0.2 and
 //! 127.0.0.3 are other pods); no cluster is needed. One thread per test (`#[tokio::test]`),
@@ -212,6 +213,12 @@ impl TestServer {
     }
 
     async fn try_tls_from(&self, ip: &str, alpn: &[u8]) -> std::io::Result<TlsStream<TcpStream>> {
+        let tcp = self.tcp_from(ip).await;
+        self.tls_over(tcp, alpn).await
+    }
+
+    /// TLS over a connection already open, offering `alpn`.
+    async fn tls_over(&self, tcp: TcpStream, alpn: &[u8]) -> std::io::Result<TlsStream<TcpStream>> {
         let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -220,7 +227,6 @@ impl TestServer {
         .with_root_certificates(self.roots.clone())
         .with_no_client_auth();
         config.alpn_protocols = vec![alpn.to_vec()];
-        let tcp = self.tcp_from(ip).await;
         let name = ServerName::try_from("127.0.0.1").expect("name");
         tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(name, tcp)
@@ -483,7 +489,7 @@ async fn a_connection_beyond_the_bounds_waits_for_a_slot() {
         "the late one, after slot_wait"
     );
     // What ALPN chose is counted: the first and third offered h2, the second and the holder
-    // HTTP/1.1 (the API server's webhook client offers nothing else).
+    // HTTP/1.1 (as the API server does for a Service-registered webhook).
     assert_eq!(srv.accepted("h2"), 2.0);
     assert_eq!(srv.accepted("http1"), 2.0);
     srv.stop().await;
@@ -505,7 +511,7 @@ async fn a_pod_cannot_take_every_place_in_the_queue() {
     let srv = TestServer::start(limits, Duration::ZERO).await;
     let mut api = srv.h2_from("127.0.0.1").await;
     assert_eq!(post(&mut api, review(10)).await, "read 10");
-    let _pod = srv.tls_from("127.0.0.2", b"http/1.1").await;
+    let pod = srv.tls_from("127.0.0.2", b"http/1.1").await;
     // The pod's next connection waits; the one after it is closed at once.
     let mut pod_waits = srv.tcp_from("127.0.0.2").await;
     let mut pod_closed = srv.tcp_from("127.0.0.2").await;
@@ -534,7 +540,49 @@ async fn a_pod_cannot_take_every_place_in_the_queue() {
         t0.elapsed()
     );
     assert_eq!(srv.refused("queue_full"), 1.0);
+    // The pod's place is given back once its waiter is served: its next one waits again.
+    drop(pod);
+    let _served = srv
+        .tls_over(pod_waits, b"http/1.1")
+        .await
+        .expect("the pod's waiting connection is served");
+    let mut next = srv.tcp_from("127.0.0.2").await;
+    assert!(
+        !closed_by(&mut next, Instant::now() + Duration::from_millis(300)).await,
+        "the pod's place in the queue was not given back"
+    );
+    assert_eq!(srv.refused("queue_full"), 1.0);
     srv.stop().await;
+}
+
+/// Shutdown closes the connections waiting for a slot at once, not when a slot frees (here
+/// the one slot's request is in flight for 2 s more) nor at the end of their wait.
+#[tokio::test]
+async fn shutdown_closes_the_waiting_connections_at_once() {
+    let limits = Limits {
+        max_connections: 1,
+        slot_wait: Duration::from_secs(10),
+        ..Limits::default()
+    };
+    let srv = TestServer::start(limits, Duration::from_secs(2)).await;
+    let mut api = srv.h2_from("127.0.0.1").await;
+    let in_flight = tokio::spawn(async move { post(&mut api, review(10)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut waiting = srv.tcp_from("127.0.0.2").await;
+    tokio::time::sleep(Duration::from_millis(100)).await; // it queues
+    assert_eq!(srv.refused("shutdown"), 0.0);
+    let deadline = Instant::now() + Duration::from_millis(1000);
+    let (took, closed) = tokio::join!(srv.stop(), closed_by(&mut waiting, deadline));
+    assert!(
+        closed,
+        "a waiting connection outlived the shutdown by a second"
+    );
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    assert_eq!(
+        in_flight.await.expect("join"),
+        "read 10",
+        "the request in flight"
+    );
 }
 
 /// The header timeout runs from a request's first byte, not while a keep-alive connection

@@ -86,7 +86,8 @@ const TASK_BYTES: usize = 8 * KIB;
 /// Worst case ([`Limits::worst_case_bytes`]), with every bound reached at once:
 /// - baseline (runtime, clients, the lease cache): 40 MiB, an estimate with room;
 /// - 64 connections x 576 KiB = 36 MiB;
-/// - 64 connections waiting for a slot, each its kernel receive queue: 4 MiB;
+/// - 56 connections waiting for a slot, each its kernel receive queue and its task: 56 x 72
+///   KiB = 3.9 MiB;
 /// - request bodies and answers: the 16 MiB budget (an answer larger than its body takes the
 ///   difference, [`answer_within`], and holds it until sent), and as much again for judging
 ///   bodies (the guard of [`read_body_bounded`] is held until the answer is sent) = 32 MiB. The parsers keep
@@ -95,7 +96,7 @@ const TASK_BYTES: usize = 8 * KIB;
 ///   (`tests/webhook_memory.rs`, `bench/webhook_memory.py`; it was ~100 MiB for tiny labels
 ///   at /validate, 265 MiB for empty arrays and gigabytes for empty containers at /mutate);
 ///
-/// = 112 MiB, which leaves 16 MiB of the 128 MiB limit for what this does not see (the
+/// = 111.9 MiB, which leaves 16 MiB of the 128 MiB limit for what this does not see (the
 /// [`HEADROOM_BYTES`] the tests insist on).
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -109,10 +110,13 @@ pub struct Limits {
     /// every slot from the API server.
     pub max_connections_per_peer: usize,
     /// How long a connection beyond either bound waits for a slot (before its TLS handshake)
-    /// before it is closed unserved. Longer than the chart's webhook timeouts: the API server
-    /// dials a connection for an admission that finds none idle, and if one frees first it
-    /// sends the admission there; a dial we close unserved fails only an admission still
-    /// waiting for it, and none waits longer than its timeout.
+    /// before it is closed unserved. Longer than the chart's default webhook timeouts (5 s):
+    /// the API server dials a connection for an admission that finds none idle, and if one
+    /// frees first it sends the admission there; a dial we close unserved fails only an
+    /// admission still waiting for it, and none waits longer than its timeout. Not longer than
+    /// the API server's own TLS handshake timeout (Go's 10 s, from the dial's connect, so our
+    /// wait counts): by then it has given the dial up, and with a `timeoutSeconds` of 10 or
+    /// more an admission waiting that long for a dial fails whatever the webhook does.
     pub slot_wait: Duration,
     /// Connections waiting for a slot at once; beyond them a connection is closed at once.
     pub max_waiting: usize,
@@ -164,7 +168,7 @@ impl Default for Limits {
             max_connections: 64,
             max_connections_per_peer: 48,
             slot_wait: Duration::from_secs(10),
-            max_waiting: 64,
+            max_waiting: 56,
             max_waiting_per_peer: 48,
             tls_handshake_timeout: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
@@ -207,7 +211,7 @@ impl Limits {
     pub fn worst_case_bytes(&self) -> usize {
         BASELINE_BYTES
             + self.max_connections * self.connection_bytes()
-            + self.max_waiting * 2 * self.socket_receive_buffer_bytes as usize
+            + self.max_waiting * (2 * self.socket_receive_buffer_bytes as usize + TASK_BYTES)
             + 2 * self.body_budget_bytes
     }
 }
@@ -846,7 +850,7 @@ fn http_builder(limits: &Limits, h2: bool) -> auto::Builder<TokioExecutor> {
         .keep_alive_interval(limits.h2_keep_alive_interval)
         .keep_alive_timeout(limits.h2_keep_alive_timeout);
     // Chosen by ALPN, not by sniffing the first bytes: a client that says nothing after the
-    // handshake then meets the HTTP/1 header timeout or the idle timeout.
+    // handshake then meets the idle timeout.
     if h2 {
         b.http2_only()
     } else {
@@ -1214,13 +1218,15 @@ mod tests {
                 .expect("values.yaml");
         assert_eq!(values["webhook"]["resources"]["limits"]["memory"], "128Mi");
         assert_eq!(CHART_MEMORY_LIMIT_BYTES, 128 * MIB);
-        // A waiting dial outlasts the admission it was made for (see `slot_wait`).
+        // A waiting dial outlasts the admission it was made for, by default, and not the API
+        // server's TLS handshake timeout (see `slot_wait`).
         for hook in ["fencing", "injection"] {
             let timeout = values[hook]["timeoutSeconds"]
                 .as_u64()
                 .expect("timeoutSeconds");
-            assert!(l.slot_wait >= Duration::from_secs(timeout), "{hook}");
+            assert!(l.slot_wait > Duration::from_secs(timeout), "{hook}");
         }
+        assert!(l.slot_wait <= Duration::from_secs(10));
         assert!(l.max_waiting_per_peer < l.max_waiting);
     }
 
