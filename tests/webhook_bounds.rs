@@ -34,6 +34,8 @@ use tokio::time::Instant;
 use tokio_rustls::client::TlsStream;
 
 const KIB: usize = 1024;
+/// An HTTP/1.1 request's headers, cut before the blank line that ends them.
+const UNFINISHED_HEADERS: &[u8] = b"POST /validate HTTP/1.1\r\nHost: x\r\n";
 const MIB: usize = 1024 * KIB;
 
 /// Bytes taken off request bodies and not yet given back, and the most there ever were.
@@ -310,6 +312,14 @@ async fn post_h1(
 
 fn review(n: usize) -> Full<Bytes> {
     Full::new(Bytes::from(vec![b' '; n]))
+}
+
+/// An HTTP/1.1 connection from `ip` that has sent `bytes` (a request's start) and then stalls.
+async fn stalled_h1(srv: &TestServer, ip: &str, bytes: &[u8]) -> TlsStream<TcpStream> {
+    let mut s = srv.tls_from(ip, b"http/1.1").await;
+    s.write_all(bytes).await.expect("write");
+    s.flush().await.expect("flush");
+    s
 }
 
 /// Whether the peer closed `s` (end of stream or error) before `deadline`.
@@ -632,11 +642,7 @@ async fn a_silent_http1_connection_waits_as_an_idle_one_not_as_a_slow_request() 
     assert_eq!(srv.closed("idle"), 1.0);
     assert_eq!(srv.closed("header_timeout"), 0.0);
     // Once a request begins, its headers are due within the header timeout.
-    let mut slow = srv.tls_from("127.0.0.1", b"http/1.1").await;
-    slow.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\n")
-        .await
-        .expect("write");
-    slow.flush().await.expect("flush");
+    let mut slow = stalled_h1(&srv, "127.0.0.1", UNFINISHED_HEADERS).await;
     let t1 = Instant::now();
     assert!(
         closed_by(&mut slow, t1 + Duration::from_millis(1200)).await,
@@ -673,12 +679,7 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
     // HTTP/1 headers that never end.
     let mut headers = Vec::new();
     for _ in 0..4 {
-        let mut s = srv.tls_from("127.0.0.2", b"http/1.1").await;
-        s.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\n")
-            .await
-            .expect("write");
-        s.flush().await.expect("flush");
-        headers.push(s);
+        headers.push(stalled_h1(&srv, "127.0.0.2", UNFINISHED_HEADERS).await);
     }
     // HTTP/2 negotiated, then silence (not even the preface).
     let mut silent_h2 = Vec::new();
@@ -688,12 +689,8 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
     // HTTP/1 bodies that trickle a few bytes of the 100,000 they declare, then stall.
     let mut bodies = Vec::new();
     for _ in 0..4 {
-        let mut s = srv.tls_from("127.0.0.2", b"http/1.1").await;
-        s.write_all(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
-            .await
-            .expect("write");
-        s.flush().await.expect("flush");
-        bodies.push(s);
+        let start = b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{";
+        bodies.push(stalled_h1(&srv, "127.0.0.2", start).await);
     }
     // HTTP/2 streams that trickle one byte every 100 ms.
     let mut trickler = srv.h2_from::<Trickle>("127.0.0.2").await;
