@@ -52,6 +52,17 @@ pub struct Bounds {
     pub max_wait: Duration,
 }
 
+/// Whether concurrent requests for one key share reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharing {
+    /// Requests that arrive while a read of their key is in flight share the key's next read
+    /// (the module documentation's rule; what the webhook does).
+    Coalesce,
+    /// Every request sends a read of its own, at once: what the webhook would do without
+    /// coalescing, kept so that a benchmark can measure both in the same conditions.
+    PerRequest,
+}
+
 /// The counters a coalescer increments.
 #[derive(Clone, Debug, Default)]
 pub struct Counters {
@@ -73,6 +84,7 @@ struct Inner<K, V> {
     keys: Mutex<HashMap<K, Batch<V>>>,
     bounds: Bounds,
     counters: Counters,
+    sharing: Sharing,
 }
 
 impl<K, V> Coalescer<K, V>
@@ -80,8 +92,13 @@ where
     K: Eq + Hash + Clone + Send + Sync + 'static,
     V: Clone + Send + 'static,
 {
-    /// A coalescer that reads a key with `read`.
-    pub fn new<F, Fut>(read: F, bounds: Bounds, counters: Counters) -> Coalescer<K, V>
+    /// A coalescer that reads a key with `read`, sharing reads as `sharing` says.
+    pub fn new<F, Fut>(
+        read: F,
+        bounds: Bounds,
+        counters: Counters,
+        sharing: Sharing,
+    ) -> Coalescer<K, V>
     where
         F: Fn(K) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Outcome<V>> + Send + 'static,
@@ -92,6 +109,7 @@ where
                 keys: Mutex::new(HashMap::new()),
                 bounds,
                 counters,
+                sharing,
             }),
         }
     }
@@ -99,6 +117,10 @@ where
     /// The outcome of a read of `key` sent after this call began. Must be called within a
     /// Tokio runtime (the reads run in tasks of their own).
     pub async fn read(&self, key: K) -> Outcome<V> {
+        if self.inner.sharing == Sharing::PerRequest {
+            self.inner.counters.reads.inc();
+            return self.inner.read_once(key).await;
+        }
         let (tx, rx) = oneshot::channel();
         if let Some(batch) = self.inner.join(&key, tx) {
             tokio::spawn(Arc::clone(&self.inner).drive(key, batch));
@@ -244,6 +266,10 @@ mod tests {
     };
 
     fn harness(bounds: Bounds) -> Harness {
+        harness_sharing(bounds, Sharing::Coalesce)
+    }
+
+    fn harness_sharing(bounds: Bounds, sharing: Sharing) -> Harness {
         let clock = Arc::new(AtomicU64::new(0));
         let (tx, sent) = mpsc::unbounded_channel();
         let read_clock = clock.clone();
@@ -254,7 +280,7 @@ mod tests {
             async move { rx.await.unwrap_or_else(|_| Err("fake read dropped".into())) }
         };
         let counters = Counters::default();
-        let c = Arc::new(Coalescer::new(read, bounds, counters.clone()));
+        let c = Arc::new(Coalescer::new(read, bounds, counters.clone(), sharing));
         Harness {
             c,
             clock,
@@ -331,6 +357,26 @@ mod tests {
         }
         assert_eq!(h.counters.reads.get(), 3);
         assert_eq!(h.counters.shared.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn per_request_reads_are_never_shared() {
+        let mut h = harness_sharing(LONG, Sharing::PerRequest);
+        let requests: Vec<_> = (0..5).map(|_| h.arrive(1)).collect();
+        settle().await;
+        let sent = h.take_sent();
+        assert_eq!(sent.len(), 5, "one read per request, all at once");
+        sent.into_iter().for_each(Pending::succeed);
+        let mut answers = Vec::new();
+        for r in requests {
+            answers.push(answered_after_arrival(r).await);
+        }
+        answers.sort();
+        answers.dedup();
+        assert_eq!(answers.len(), 5, "each answered by its own read");
+        assert_eq!(h.counters.reads.get(), 5);
+        assert_eq!(h.counters.shared.get(), 0);
+        assert_eq!(h.c.keys_in_flight(), 0);
     }
 
     #[tokio::test]
@@ -477,6 +523,7 @@ mod tests {
             },
             LONG,
             Counters::default(),
+            Sharing::Coalesce,
         );
         assert!(c.read(1).await.is_err());
         assert_eq!(c.keys_in_flight(), 0);

@@ -126,6 +126,10 @@ pub struct WebhookArgs {
     /// hold all users or ServiceAccounts are refused.
     #[arg(long = "exempt-group")]
     pub exempt_groups: Vec<String>,
+    /// For benchmarks: every write sends a fresh read of its own instead of sharing the next
+    /// one with the writes waiting beside it. As safe, and more reads.
+    #[arg(long, hide = true)]
+    pub no_shared_reads: bool,
 }
 
 /// `--sidecar-run-as-user`: a UID, or none.
@@ -143,6 +147,15 @@ fn parse_run_as_user(s: &str) -> Result<RunAsUser, String> {
 }
 
 impl WebhookArgs {
+    /// Whether concurrent writes share fresh reads (`--no-shared-reads`).
+    fn sharing(&self) -> coalesce::Sharing {
+        if self.no_shared_reads {
+            coalesce::Sharing::PerRequest
+        } else {
+            coalesce::Sharing::Coalesce
+        }
+    }
+
     /// The exemptions, checked.
     pub fn exemptions(&self) -> Result<Exemptions, crate::fencing::ExemptionError> {
         let users = if self.exempt_users.is_empty() {
@@ -333,7 +346,12 @@ struct FreshReads {
 }
 
 impl FreshReads {
-    fn new(client: &Client, health: &Arc<ApiHealth>, metrics: &WebhookMetrics) -> FreshReads {
+    fn new(
+        client: &Client,
+        health: &Arc<ApiHealth>,
+        metrics: &WebhookMetrics,
+        sharing: coalesce::Sharing,
+    ) -> FreshReads {
         let counters = coalesce::Counters {
             reads: metrics.fresh_reads.clone(),
             shared: metrics.fresh_reads_shared.clone(),
@@ -351,6 +369,7 @@ impl FreshReads {
             },
             COALESCED_READ_BOUNDS,
             counters.clone(),
+            sharing,
         );
         let (c, h) = (client.clone(), health.clone());
         let modes = Coalescer::new(
@@ -364,6 +383,7 @@ impl FreshReads {
             },
             COALESCED_READ_BOUNDS,
             counters,
+            sharing,
         );
         FreshReads { leases, modes }
     }
@@ -665,7 +685,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let budget = server::BodyBudget::new(&limits, &server_metrics);
     let ready = Arc::new(AtomicBool::new(false));
     let health = Arc::new(ApiHealth::new(ready.clone()));
-    let fresh = FreshReads::new(&client, &health, &metrics);
+    let fresh = FreshReads::new(&client, &health, &metrics, args.sharing());
     let shared = Arc::new(Shared {
         client,
         inject: inject_config(&args, native_sidecars),
