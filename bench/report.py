@@ -63,6 +63,34 @@ def criterion(dir_: Path) -> dict:
     return out
 
 
+def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
+    """Read sharing on and off (issue 21): the same writers against one webhook replica, which
+    shares fresh reads among concurrent writes or sends one per write (`--no-shared-reads`)."""
+    if not d:
+        return
+    md.append("\n### The webhook's fresh reads, shared and per request\n\nOne replica, the same writers "
+              "and cluster, one setting after the other; ms. Reads: fresh reads sent, and per "
+              "review the replica answered (allowed and refused writes, warm-up included).\n")
+    md.append("| reads | writers | pace | writes/s | allowed p50 / p99 | added p50 / p99 (95 % interval) | "
+              "refused added p99 | reads sent | reads per review | failed |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in d["runs"]:
+        m, a, ci = r["ms"], r["added_ms"], r["added_p99_ci95_ms"]
+        failed = sum(r["failed"].values())
+        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        reads = sum(c.get("fresh_reads", 0) for c in r["replica_counters"])
+        fenced = sum(v for c in r["replica_counters"] for k, v in c.items() if k.startswith("admissions")) or 1
+        md.append(f"| {r.get('reads', 'shared')} | {r['writers']} | {pace} | {r['writes_per_s']:.0f} | "
+                  f"{m['protected']['p50']:.2f} / {m['protected']['p99']:.2f} | "
+                  f"{a['p50']:.2f} / {a['p99']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {r['refused_added_ms']['p99']:.2f} | "
+                  f"{int(reads):,} | {reads / fenced:.2f} | {failed} |")
+        rows.append({"reads": r.get("reads", "shared"), "writers": r["writers"], "rate": r.get("rate"),
+                     "failed": failed, "fresh_reads": int(reads), "reads_per_review": r3(reads / fenced),
+                     "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
+                     "added_p99_ci95_ms": [r3(x) for x in ci]})
+    summary["webhook_sharing"] = rows
+
+
 def webhook_concurrent(d: dict | None, md: list[str], summary: dict, verdict) -> None:
     """The webhook at concurrency (issue 21): a row per (replicas, writers), and the verdict on
     the largest number of writers with one replica."""
@@ -686,6 +714,7 @@ def main() -> None:
                     "" if d[OURS]["leases"] >= 1000 else "fewer than 1,000 leases: not the target's size")
 
     webhook_concurrent(load(run, "webhook-concurrent"), md, summary, verdict)
+    webhook_sharing(load(run, "webhook-sharing"), md, summary)
 
     summary["verdicts"] = verdicts
     md.append("\n### Verdicts\n\n| target | met | measured | note |\n|---|---|---|---|")

@@ -30,6 +30,8 @@
 #   webhook-concurrent W writers at once through the API server (16 and 64; quick: 4 and 16),
 #                      allowed, plain and refused writes, the webhook registered by a Service
 #                      (HTTP/1.1 from the API server), one and two replicas
+#   webhook-sharing    the same writers against one replica twice, its fresh reads shared by
+#                      concurrent writes (as it runs) and sent per write (--no-shared-reads)
 #   policy-apiserver   the same update three ways in one run: no fencing, the webhook, the policy
 #                      (policy mode, issue 18): added latency, client side and the API server's own
 #   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
@@ -93,7 +95,7 @@ for a in "$@"; do
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
   failover-load-stop apiload webhook-server
-  webhook-apiserver webhook-concurrent policy-apiserver policy-scale controller-scale footprint many-leases)
+  webhook-apiserver webhook-concurrent webhook-sharing policy-apiserver policy-scale controller-scale footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -270,6 +272,7 @@ if [ "$MODE" = full ]; then
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
+  WHSH=(--writers 16 64 --replicas 1 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
@@ -286,6 +289,7 @@ else
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
   WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
+  WHSH=(--writers 4 16 --replicas 1 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
@@ -347,6 +351,8 @@ for n in "${NAMES[@]}"; do
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     webhook-concurrent) bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --out "$OUT" ;;
+    webhook-sharing)
+      bench "$n" python3 webhook_concurrent.py "${WHSH[@]}" --reads shared per-request --name "$n" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;

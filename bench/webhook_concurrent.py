@@ -16,6 +16,11 @@ minus plain, refused minus plain, difference of the percentiles) with a 95 % boo
 of the added p99, every status code counted (an answer other than the expected one is a failed
 write, counted, never dropped), the API server's own timing of its calls to the webhook, and
 how the calls were spread over the replicas (each replica's own admission counter).
+
+With `--reads shared per-request`, each replica count runs twice against the same cluster and
+namespace: once as the webhook runs (concurrent writes of one lease share the next fresh read,
+src/webhook/coalesce.rs), once with `--no-shared-reads` (every write sends a read of its own), so
+that what sharing saves or costs is measured in the same conditions; each run says which.
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ def stats999(ms: list[float]) -> dict:
 
 
 def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: dict,
-                work: Path, mports: list[int], rate: float | None) -> dict:
+                work: Path, mports: list[int], rate: float | None, reads: str) -> dict:
     """One run of the writers: back to back (rate None) or paced at `rate` writes/s in all."""
     token = work / "token"
     token.write_text(lib.admin_token())
@@ -148,6 +153,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     failed = {k: sum(n for code, n in raw["kinds"][k]["status"].items() if code != expected[k])
               for k in KINDS}
     res = {"replicas": len(mports), "writers": writers, "writes_each": writes, "rate": rate,
+           "reads": reads,
            "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (writes + args.warmup) / raw["wall_s"],
            "ms": s, "added_ms": diff["protected"], "refused_added_ms": diff["stale"],
            "added_p99_ci95_ms": lib.bootstrap_ci(ms["protected"], ms["plain"], 99),
@@ -156,7 +162,8 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
            "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
            "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),
            "reviews_per_replica": spread, "replica_counters": per_replica}
-    log(f"  {len(mports)} replica(s), {writers} writers, {f'paced at {rate:g}/s' if rate else 'back to back'}: "
+    log(f"  {len(mports)} replica(s), {writers} writers, {f'paced at {rate:g}/s' if rate else 'back to back'}, "
+        f"reads {reads}: "
         f"{res['writes_per_s']:.0f} writes/s; "
         f"allowed p50 {s['protected']['p50']:.2f} p99 {s['protected']['p99']:.2f} ms, plain p50 "
         f"{s['plain']['p50']:.2f} p99 {s['plain']['p99']:.2f} ms, refused p99 {s['stale']['p99']:.2f} ms; "
@@ -170,14 +177,15 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
 
 
 def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: dict,
-              work: Path, addr: str) -> list[dict]:
+              work: Path, addr: str, reads: str) -> list[dict]:
     certs = work / "certs"
     procs, ports, mports, bundle = [], [], [], ""
+    extra = ["--no-shared-reads"] if reads == "per-request" else []
     try:
         for i in range(replicas):
             p, port, mport, bundle = lib.start_webhook(
-                f"webhook-concurrent-{replicas}-{i}", work / "logs", certs, host=addr,
-                cert_names=[f"{SERVICE}.{ns}.svc"])
+                f"webhook-concurrent-{replicas}-{reads}-{i}", work / "logs", certs, host=addr,
+                extra_args=extra, cert_names=[f"{SERVICE}.{ns}.svc"])
             procs.append(p)
             ports.append(port)
             mports.append(mport)
@@ -187,10 +195,11 @@ def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: di
             runs = []
             for writers in args.writers:
                 for rate in [None] + ([args.paced_rate] if args.paced_rate else []):
-                    step(f"webhook at concurrency: {replicas} replica(s), {writers} writers x "
+                    step(f"webhook at concurrency: {replicas} replica(s), reads {reads}, {writers} writers x "
                          f"{args.paced_writes if rate else args.writes} rounds of 3 writes (+{args.warmup} "
                          f"warm-up), " + (f"paced at {rate:g} writes/s in all" if rate else "back to back"))
-                    runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports, rate))
+                    runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports, rate,
+                                            reads))
             return runs
         finally:
             unregister(kube, ns, name)
@@ -208,6 +217,11 @@ def main() -> None:
                     help="also a run with all writers together pacing to this many writes/s")
     ap.add_argument("--paced-writes", type=int, default=100, help="measured rounds per writer when paced")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one writers' run may take")
+    ap.add_argument("--reads", nargs="+", choices=("shared", "per-request"), default=["shared"],
+                    help="how the webhook's fresh reads are sent: shared by concurrent writes (as the "
+                         "webhook runs), per request (--no-shared-reads), or both, one after the other")
+    ap.add_argument("--name", default="webhook-concurrent",
+                    help="the result's name (NAME.json in --out): webhook-sharing for the reads' A/B")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     kube = Kube()
@@ -227,15 +241,17 @@ def main() -> None:
                  "application/merge-patch+json")
     runs = []
     for replicas in args.replicas:
-        runs += one_setup(args, kube, ns, replicas, ann, stale_ann, work / f"r{replicas}", addr)
+        for reads in args.reads:
+            runs += one_setup(args, kube, ns, replicas, ann, stale_ann,
+                              work / f"r{replicas}-{reads}", addr, reads)
     failed = sum(sum(r["failed"].values()) for r in runs)
-    data = {"benchmark": "webhook-concurrent", "namespace": ns, "webhook_address": addr,
+    data = {"benchmark": args.name, "namespace": ns, "webhook_address": addr, "warmup": args.warmup,
             "registration": "service (HTTP/1.1 from the API server), endpoints resolved by the API server",
             "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
-    lib.write_result(args.out, "webhook-concurrent", data)
+    lib.write_result(args.out, args.name, data)
     if failed:
         raise SystemExit(f"{failed} writes were not answered as expected (200, or 409 for a stale "
-                         f"token): see first_unexpected in {args.out}/webhook-concurrent.json")
+                         f"token): see first_unexpected in {args.out}/{args.name}.json")
 
 
 if __name__ == "__main__":
