@@ -126,7 +126,9 @@ pub struct Limits {
     /// A TLS handshake not finished by then is dropped.
     pub tls_handshake_timeout: Duration,
     /// HTTP/1: a request whose headers have not all arrived this long after its first byte
-    /// closes the connection.
+    /// closes the connection. One exception: a request pipelined behind another (its first
+    /// bytes arriving while that one is in flight, which the API server never does) is bounded
+    /// by `idle_timeout` instead, since its bytes cannot be told from the body of the first.
     pub header_read_timeout: Duration,
     /// A connection with no request in flight for this long is told to finish. Longer than the
     /// API server's 90 s for an idle connection (Go's `IdleConnTimeout`), so that the API server
