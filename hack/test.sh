@@ -62,7 +62,12 @@ PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tes
 command -v go >/dev/null || die "go not found: the Go client (clients/go) needs Go 1.24 or later on PATH (https://go.dev/dl)"
 log "Go client unit tests (clients/go; tests/client_go.rs runs its integration test against real sidecars)"
 (cd clients/go && go vet ./... && go test -count=1 ./...)
-log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs)"
+# Each integration test keeps its processes' logs in a scratch folder (tests/common/procs.rs) for
+# a failure's reading; the earlier runs' folders are of no more use.
+scratch="${TMPDIR:-/tmp}/fencedlease-test-"
+log "removing earlier runs' test scratch folders ($(find "${scratch%/*}" -maxdepth 1 -name "${scratch##*/}*" | wc -l) in ${scratch%/*})"
+find "${scratch%/*}" -maxdepth 1 -name "${scratch##*/}*" -exec rm -rf {} +
+log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs; each test's own in ${scratch}*)"
 if ! cargo test --workspace --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
