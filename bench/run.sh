@@ -51,8 +51,9 @@
 # so that the next one starts on an API server without their objects.
 #
 # --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (all 17: 106 minutes after the builds,
-#   settling included, in the record's run of 2026-12-02; BENCHMARKS.md has each one's).
+#   whatever the numbers. --full: the sizes of the record (all 18; in the record's runs of
+#   2026-12-02 the first 17 took 88 minutes after the builds, settling included, and
+#   webhook-sharing 442 s; BENCHMARKS.md has each one's).
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
