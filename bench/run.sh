@@ -273,7 +273,6 @@ if [ "$MODE" = full ]; then
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
-  WHSH=(--writers 16 64 --replicas 1 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
@@ -290,7 +289,6 @@ else
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
   WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
-  WHSH=(--writers 4 16 --replicas 1 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
@@ -352,8 +350,8 @@ for n in "${NAMES[@]}"; do
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     webhook-concurrent) bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --out "$OUT" ;;
-    webhook-sharing)
-      bench "$n" python3 webhook_concurrent.py "${WHSH[@]}" --reads shared per-request --name "$n" --out "$OUT" ;;
+    webhook-sharing) # webhook-concurrent's sizes, one replica (a later --replicas wins)
+      bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --replicas 1 --reads shared per-request --name "$n" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;

@@ -64,10 +64,10 @@ log "Go client unit tests (clients/go; tests/client_go.rs runs its integration t
 (cd clients/go && go vet ./... && go test -count=1 ./...)
 # Each integration test keeps its processes' logs in a scratch folder (tests/common/procs.rs) for
 # a failure's reading; the earlier runs' folders are of no more use.
-scratch="${TMPDIR:-/tmp}/fencedlease-test-"
-log "removing earlier runs' test scratch folders ($(find "${scratch%/*}" -maxdepth 1 -name "${scratch##*/}*" | wc -l) in ${scratch%/*})"
-find "${scratch%/*}" -maxdepth 1 -name "${scratch##*/}*" -exec rm -rf {} +
-log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs; each test's own in ${scratch}*)"
+tmp="${TMPDIR:-/tmp}"
+removed=$(find "$tmp" -maxdepth 1 -name 'fencedlease-test-*' -print -exec rm -rf {} + | wc -l)
+log "removed $removed earlier runs' test scratch folders from $tmp"
+log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs; each test's own in $tmp/fencedlease-test-*)"
 if ! cargo test --workspace --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"
   exit 1
