@@ -252,7 +252,7 @@ async fn concurrent_writes_share_reads_but_none_begun_after_the_lease_moved_is_a
         }
     }
     let m = s.webhook().metrics();
-    let metric = |name| common::metric_value(&m, name);
+    let metric = |name: &str| common::metric_value(&m, name);
     let shared = metric("fencedlease_webhook_fresh_reads_shared_total");
     eprintln!(
         "{allowed} allowed, {stale_refused} refused as stale; {} fresh reads, {shared} writes on a shared read",
@@ -267,4 +267,13 @@ async fn concurrent_writes_share_reads_but_none_begun_after_the_lease_moved_is_a
         "the frozen cache would have allowed stale tokens:\n{m}"
     );
     assert!(shared >= 1.0, "16 writers on one lease share reads:\n{m}");
+    let timed = ["lease", "namespace"].map(|o| {
+        metric(&format!(
+            "fencedlease_webhook_fresh_read_seconds_count{{object=\"{o}\"}}"
+        ))
+    });
+    assert!(
+        timed[0] >= 1.0 && timed[0] + timed[1] == metric("fencedlease_webhook_fresh_reads_total"),
+        "every fresh read sent, of a lease or a namespace, is timed once:\n{m}"
+    );
 }

@@ -67,6 +67,10 @@ const COALESCED_READ_BOUNDS: coalesce::Bounds = coalesce::Bounds {
 const API_HEALTH_WINDOW: Duration = Duration::from_secs(5);
 /// How often the webhook reads from the API server to know it still can, when no write asks.
 const API_PROBE_INTERVAL: Duration = Duration::from_secs(2);
+/// The buckets of `fencedlease_webhook_fresh_read_seconds`: from 50 us up by a quarter, 49 of
+/// them, the last at about 2.3 s, above `FRESH_READ_TIMEOUT`. Fine enough to tell a read's
+/// share of the milliseconds a write waits.
+const FRESH_READ_BUCKETS: (f64, f64, u16) = (0.000_05, 1.25, 49);
 
 #[derive(Debug, clap::Args)]
 pub struct WebhookArgs {
@@ -213,6 +217,20 @@ struct ResultLabel {
     result: &'static str,
 }
 
+/// What a fresh read read: `lease`, `namespace` (its fencing mode) or `scaled` (the object
+/// behind a /scale write).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ObjectLabel {
+    object: &'static str,
+}
+
+type ReadSeconds = Family<ObjectLabel, Histogram, fn() -> Histogram>;
+
+fn read_histogram() -> Histogram {
+    let (start, factor, n) = FRESH_READ_BUCKETS;
+    Histogram::new(exponential_buckets(start, factor, n))
+}
+
 /// The webhook's metrics. `result` is one of a fixed set of words.
 struct WebhookMetrics {
     admissions: Family<ResultLabel, Counter>,
@@ -220,6 +238,7 @@ struct WebhookMetrics {
     seconds: Histogram,
     fresh_reads: Counter,
     fresh_reads_shared: Counter,
+    fresh_read_seconds: ReadSeconds,
     cache_lag_caught: Counter,
 }
 
@@ -231,6 +250,7 @@ impl WebhookMetrics {
             seconds: Histogram::new(exponential_buckets(0.000005, 2.0, 20)),
             fresh_reads: Counter::default(),
             fresh_reads_shared: Counter::default(),
+            fresh_read_seconds: Family::new_with_constructor(read_histogram),
             cache_lag_caught: Counter::default(),
         };
         r.register(
@@ -259,11 +279,23 @@ impl WebhookMetrics {
             m.fresh_reads_shared.clone(),
         );
         r.register(
+            "fencedlease_webhook_fresh_read_seconds",
+            "Time of one fresh read from the API server, by what it read: lease, namespace (its fencing mode), scaled (the object behind a /scale write); a read that fails or times out (2 s) counts too",
+            m.fresh_read_seconds.clone(),
+        );
+        r.register(
             "fencedlease_webhook_cache_lag_caught",
             "Writes that the lease cache would have allowed and a fresh read refused: the cache lagged behind the lease",
             m.cache_lag_caught.clone(),
         );
         m
+    }
+
+    /// The histogram of fresh reads of `object`.
+    fn read_seconds(&self, object: &'static str) -> Histogram {
+        self.fresh_read_seconds
+            .get_or_create(&ObjectLabel { object })
+            .clone()
     }
 }
 
@@ -356,12 +388,17 @@ impl FreshReads {
             reads: metrics.fresh_reads.clone(),
             shared: metrics.fresh_reads_shared.clone(),
         };
-        let (c, h) = (client.clone(), health.clone());
+        let (c, h, t) = (
+            client.clone(),
+            health.clone(),
+            metrics.read_seconds("lease"),
+        );
         let leases = Coalescer::new(
             move |(ns, name): (String, String)| {
                 let (api, h) = (Api::<FencedLease>::namespaced(c.clone(), &ns), h.clone());
+                let t = t.clone();
                 async move {
-                    Ok(timed_read(&h, api.get_opt(&name))
+                    Ok(timed_read(&h, Some(&t), api.get_opt(&name))
                         .await?
                         .as_ref()
                         .and_then(view))
@@ -371,13 +408,18 @@ impl FreshReads {
             counters.clone(),
             sharing,
         );
-        let (c, h) = (client.clone(), health.clone());
+        let (c, h, t) = (
+            client.clone(),
+            health.clone(),
+            metrics.read_seconds("namespace"),
+        );
         let modes = Coalescer::new(
             move |ns: String| {
                 let (api, h) = (Api::<Namespace>::all(c.clone()), h.clone());
+                let t = t.clone();
                 async move {
                     Ok(namespace_mode(
-                        timed_read(&h, api.get_metadata_opt(&ns)).await?,
+                        timed_read(&h, Some(&t), api.get_metadata_opt(&ns)).await?,
                     ))
                 }
             },
@@ -399,16 +441,22 @@ fn namespace_mode(ns: Option<kube::core::PartialObjectMeta<Namespace>>) -> Mode 
     )
 }
 
-/// Runs `read` with the fresh-read timeout, recording the outcome in `health`.
+/// Runs `read` with the fresh-read timeout, recording the outcome in `health` and, when given,
+/// its time in `seconds`.
 async fn timed_read<T>(
     health: &ApiHealth,
+    seconds: Option<&Histogram>,
     read: impl std::future::Future<Output = Result<T, kube::Error>>,
 ) -> Result<T, String> {
+    let start = Instant::now();
     let out = match tokio::time::timeout(FRESH_READ_TIMEOUT, read).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("no answer within {FRESH_READ_TIMEOUT:?}")),
     };
+    if let Some(h) = seconds {
+        h.observe(start.elapsed().as_secs_f64());
+    }
     health.record(out.is_ok());
     out
 }
@@ -475,7 +523,8 @@ impl Shared {
             plural: c.resource.clone(),
         };
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &c.namespace, &ar);
-        match timed_read(&self.health, api.get_metadata_opt(&c.name)).await {
+        let seconds = self.metrics.read_seconds("scaled");
+        match timed_read(&self.health, Some(&seconds), api.get_metadata_opt(&c.name)).await {
             Ok(obj) => match obj
                 .as_ref()
                 .and_then(|o| o.metadata.labels.as_ref())
@@ -497,7 +546,7 @@ impl Shared {
         let api: Api<FencedLease> = Api::all(self.client.clone());
         let one = kube::api::ListParams::default().limit(1);
         loop {
-            let _ = timed_read(&self.health, api.list_metadata(&one)).await;
+            let _ = timed_read(&self.health, None, api.list_metadata(&one)).await;
             tokio::time::sleep(API_PROBE_INTERVAL).await;
             self.health.refresh();
         }
