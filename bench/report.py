@@ -63,6 +63,41 @@ def criterion(dir_: Path) -> dict:
     return out
 
 
+def read_cell(r: dict, obj: str) -> str:
+    """The webhook's fresh reads of `obj` in one setting: 'p50 / p99' (ms, bucket bounds), or
+    a dash when the run has none (a run before the histogram existed, or no such read)."""
+    t = (r.get("fresh_read_ms") or {}).get(obj)
+    if not t or t.get("p50") is None:
+        return "-"
+    p99 = f"<= {t['p99']:.2f}" if t.get("p99") is not None else "over the largest bucket"
+    return f"<= {t['p50']:.2f} / {p99}"
+
+
+def webhook_read_split(d: dict, md: list[str]) -> None:
+    """Where a protected write's added time goes: the writers' added time, the API server's own
+    timing of its call to the webhook, and the webhook's timing of its fresh reads."""
+    if not any(r.get("fresh_read_ms") for r in d["runs"]) and not d.get("lease_read_alone_ms"):
+        return
+    md.append("\n#### Where the added time goes\n\nms; the API server's call and the webhook's fresh "
+              "reads are histogram bucket upper bounds (the reads' buckets 50 us x 1.25^k).\n")
+    alone = d.get("lease_read_alone_ms")
+    if alone:
+        q, c = alone["quorum"], alone["cache"]
+        md.append(f"The lease's read alone, on the idle API server ({alone['gets_each']:,} GETs each way, one "
+                  f"after another, alternating): as the webhook reads it (a quorum read) p50 {q['p50']:.2f}, "
+                  f"p90 {q['p90']:.2f}, p99 {q['p99']:.2f}; from the API server's watch cache "
+                  f"(resourceVersion=0) p50 {c['p50']:.2f}, p90 {c['p90']:.2f}, p99 {c['p99']:.2f}.\n")
+    md.append("| replicas | writers | pace | added p50 / p99 | the API server's call p50 / p99 | "
+              "lease reads p50 / p99 | namespace reads p50 / p99 | lease reads |\n|---|---|---|---|---|---|---|---|")
+    for r in d["runs"]:
+        a, call = r["added_ms"], r["apiserver_webhook_call_ms"]
+        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        n = ((r.get("fresh_read_ms") or {}).get("lease") or {}).get("reads", 0)
+        md.append(f"| {r['replicas']} | {r['writers']} | {pace} | {a['p50']:.2f} / {a['p99']:.2f} | "
+                  f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} | {read_cell(r, 'lease')} | "
+                  f"{read_cell(r, 'namespace')} | {n:,} |")
+
+
 def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
     """Read sharing on and off (issue 21): the same writers against one webhook replica, which
     shares fresh reads among concurrent writes or sends one per write (`--no-shared-reads`)."""
@@ -72,7 +107,8 @@ def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
               "and cluster, one setting after the other; ms. Reads: fresh reads sent, and per "
               "review the replica answered (allowed and refused writes, warm-up included).\n")
     md.append("| reads | writers | pace | writes/s | allowed p50 / p99 | added p50 / p99 (95 % interval) | "
-              "refused added p99 | reads sent | reads per review | failed |\n|---|---|---|---|---|---|---|---|---|---|")
+              "refused added p99 | reads sent | reads per review | lease reads p50 / p99 | failed |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in d["runs"]:
         m, a, ci = r["ms"], r["added_ms"], r["added_p99_ci95_ms"]
@@ -83,7 +119,7 @@ def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
         md.append(f"| {r.get('reads', 'shared')} | {r['writers']} | {pace} | {r['writes_per_s']:.0f} | "
                   f"{m['protected']['p50']:.2f} / {m['protected']['p99']:.2f} | "
                   f"{a['p50']:.2f} / {a['p99']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {r['refused_added_ms']['p99']:.2f} | "
-                  f"{int(reads):,} | {reads / fenced:.2f} | {failed} |")
+                  f"{int(reads):,} | {reads / fenced:.2f} | {read_cell(r, 'lease')} | {failed} |")
         rows.append({"reads": r.get("reads", "shared"), "writers": r["writers"], "rate": r.get("rate"),
                      "failed": failed, "fresh_reads": int(reads), "reads_per_review": r3(reads / fenced),
                      "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
@@ -118,6 +154,7 @@ def webhook_concurrent(d: dict | None, md: list[str], summary: dict, verdict) ->
                      "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
                      "added_p99_ci95_ms": [r3(x) for x in ci]})
     summary["webhook_concurrent"] = rows
+    webhook_read_split(d, md)
     top = max((x for x in rows if not x["rate"]), key=lambda x: (x["writers"], -x["replicas"]))
     paced = [x for x in rows if x["rate"] and x["writers"] == top["writers"] and x["replicas"] == top["replicas"]]
     verdict(f"webhook through the API server with {top['writers']} writers: added p99 < 3 ms on the allow "

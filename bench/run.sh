@@ -54,6 +54,8 @@
 #   whatever the numbers. --full: the sizes of the record (all 18; in the record's runs of
 #   2026-12-02 the first 17 took 88 minutes after the builds, settling included, and
 #   webhook-sharing 442 s; BENCHMARKS.md has each one's).
+# --no-record (full mode): keep the run in bench/results/full-<time>/ without folding it into the
+#   record: a measurement to read beside the record, not to replace any of it.
 # --debug (quick mode only): use the unoptimized build the test suite already made instead of a
 #   release build; CI runs `bench/run.sh --quick --debug` to keep every command working.
 #
@@ -83,14 +85,16 @@ source "$REPO/hack/lib.sh"
 
 MODE=quick
 PROFILE=release
+NO_RECORD=
 NAMES=()
 for a in "$@"; do
   case "$a" in
     --quick) MODE=quick ;;
     --full) MODE=full ;;
     --debug) PROFILE=debug ;;
+    --no-record) NO_RECORD=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
-    -*) die "unknown option $a (use --quick or --full)" ;;
+    -*) die "unknown option $a (use --quick or --full, --no-record, --debug)" ;;
     *) NAMES+=("$a") ;;
   esac
 done
@@ -101,6 +105,9 @@ ALL=(decision failover-kill failover-stop failover-term failover-podgone failove
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
 done
+if [ -n "$NO_RECORD" ] && [ "$MODE" != full ]; then
+  die "--no-record is for full runs (a quick run never folds into the record): add --full or drop it"
+fi
 if [ "$PROFILE" = debug ] && [ "$MODE" = full ]; then
   die "--debug is for checking that the commands work (CI); the record needs release binaries: drop --debug"
 fi
@@ -272,7 +279,7 @@ if [ "$MODE" = full ]; then
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
-  WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60)
+  WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60 --lease-reads 2000)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
@@ -288,7 +295,7 @@ else
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
-  WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4)
+  WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4 --lease-reads 100)
   VAP=(--updates 30 --updates-warmup 5)
   VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
@@ -376,7 +383,9 @@ cat "$OUT/tables.md" >&2
 if [ ${#FAILED[@]} -gt 0 ]; then
   die "these benchmarks failed: ${FAILED[*]} (logs: $OUT, $FL_BENCH_WORK); the record is unchanged"
 fi
-if [ "$MODE" = full ]; then
+if [ "$MODE" = full ] && [ -n "$NO_RECORD" ]; then
+  log "--no-record: the record is unchanged; this run is kept in $OUT"
+elif [ "$MODE" = full ]; then
   # The record: each benchmark from the newest full run that ran it (a run of a few benchmarks
   # replaces only theirs).
   RECORD="$HERE/results/full-record"

@@ -15,7 +15,11 @@ Reported per (replicas, writers): each kind's p50/p90/p99/p99.9, the added laten
 minus plain, refused minus plain, difference of the percentiles) with a 95 % bootstrap interval
 of the added p99, every status code counted (an answer other than the expected one is a failed
 write, counted, never dropped), the API server's own timing of its calls to the webhook, and
-how the calls were spread over the replicas (each replica's own admission counter).
+how the calls were spread over the replicas (each replica's own admission counter), and how
+long the webhook's fresh reads took (its own histogram, fencedlease_webhook_fresh_read_seconds).
+Before the writers, the lease's read alone on the idle API server (--lease-reads): as the
+webhook sends it (a quorum read) and from the API server's watch cache, for the floor of the
+read every allow waits for.
 
 With `--reads shared per-request`, each replica count runs twice against the same cluster and
 namespace: once as the webhook runs (concurrent writes of one lease share the next fresh read,
@@ -35,7 +39,7 @@ from pathlib import Path
 
 import lib
 from lib import BIN, Kube, log, stats, step
-from webhook_bench import apiserver_webhook_histogram, held_lease, webhook_call_ms
+from webhook_bench import apiserver_webhook_histogram, buckets, held_lease, hist_quantile, webhook_call_ms
 
 WRITERS = Path(os.environ.get("FL_BENCH_WRITERS", BIN / "apiserver_writers"))
 SERVICE = "fencedlease-bench-webhook"
@@ -113,6 +117,47 @@ def counters(mport: int) -> dict[str, float]:
     return out
 
 
+# What the webhook's fresh reads read (fencedlease_webhook_fresh_read_seconds{object}); a /scale
+# read ("scaled") does not happen here.
+READ_OBJECTS = ("lease", "namespace")
+
+
+def read_histograms(mports: list[int]) -> dict[str, dict[float, float]]:
+    """The replicas' fresh-read histograms, by object, their buckets summed over the replicas."""
+    out: dict[str, dict[float, float]] = {o: {} for o in READ_OBJECTS}
+    for p in mports:
+        text = lib.http_get(p, "/metrics")
+        for o in READ_OBJECTS:
+            for le, n in buckets(text, "fencedlease_webhook_fresh_read_seconds", (f'object="{o}"',)).items():
+                out[o][le] = out[o].get(le, 0) + n
+    return out
+
+
+def read_ms(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]) -> dict:
+    """Per object, the reads between two readings and their p50/p90/p99 in ms: the upper bound of
+    the bucket that holds each (buckets 50 us x 1.25^k, src/webhook/mod.rs FRESH_READ_BUCKETS)."""
+    out = {}
+    for o in READ_OBJECTS:
+        a, b = after[o], before[o]
+        n = a.get(float("inf"), 0) - b.get(float("inf"), 0)
+        if n <= 0:
+            continue
+        out[o] = {"reads": int(n)}
+        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+            v = hist_quantile(b, a, q)
+            out[o][name] = None if v is None or v == float("inf") else v * 1e3
+    return out
+
+
+def read_line(read_times: dict) -> str:
+    """The fresh reads' times for the log."""
+    if not read_times:
+        return "no fresh read timed"
+    return "the webhook's fresh reads, p50 / p99 (ms, bucket bounds): " + ", ".join(
+        f"{o} {v['p50']:.2f} / {v['p99']:.2f}" if v.get("p99") else f"{o} (over the largest bucket)"
+        for o, v in read_times.items())
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
@@ -132,6 +177,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     writes = args.paced_writes if rate else args.writes
     out = work / f"writers-{len(mports)}-{writers}-{rate or 'closed'}.json"
     counts0 = [counters(p) for p in mports]
+    reads0 = read_histograms(mports)
     api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
     argv = [str(WRITERS), "--server", f"https://127.0.0.1:{lib.API_PORT}", "--ca", str(lib.ca_file()),
             "--token-file", str(token), "--namespace", ns, "--writers", str(writers),
@@ -144,6 +190,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     raw = json.loads(out.read_text())
     api_after = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
     per_replica = [delta(counters(p), c) for p, c in zip(mports, counts0)]
+    read_times = read_ms(reads0, read_histograms(mports))
     spread = [sum(v for k, v in r.items() if k.startswith("admissions")) for r in per_replica]
     ms = {k: [v / 1e6 for v in raw["kinds"][k]["ns"]] for k in KINDS}
     s = {k: stats999(ms[k]) for k in KINDS}
@@ -161,7 +208,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
            "status": {k: raw["kinds"][k]["status"] for k in KINDS}, "failed": failed,
            "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
            "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),
-           "reviews_per_replica": spread, "replica_counters": per_replica}
+           "fresh_read_ms": read_times, "reviews_per_replica": spread, "replica_counters": per_replica}
     log(f"  {len(mports)} replica(s), {writers} writers, {f'paced at {rate:g}/s' if rate else 'back to back'}, "
         f"reads {reads}: "
         f"{res['writes_per_s']:.0f} writes/s; "
@@ -169,11 +216,32 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
         f"{s['plain']['p50']:.2f} p99 {s['plain']['p99']:.2f} ms, refused p99 {s['stale']['p99']:.2f} ms; "
         f"added p50 {diff['protected']['p50']:.2f} p99 {diff['protected']['p99']:.2f} ms "
         f"(95 % {res['added_p99_ci95_ms'][0]:.2f}-{res['added_p99_ci95_ms'][1]:.2f}); failed {failed}; "
-        f"reviews per replica {[int(x) for x in spread]}; fresh reads sent, shared: "
+        f"reviews per replica {[int(x) for x in spread]}; {read_line(read_times)}; fresh reads sent, shared: "
         f"{[(int(r.get('fresh_reads', 0)), int(r.get('fresh_reads_shared', 0))) for r in per_replica]}; "
         f"connections accepted, refused or closed: "
         f"{[{k: int(v) for k, v in r.items() if not k.startswith(READ_COUNTERS)} for r in per_replica]}")
     return res
+
+
+def lease_reads(kube: Kube, ns: str, lease: str, n: int) -> dict:
+    """The read every allow waits for, alone on the idle API server: n GETs of the lease without a
+    resourceVersion (what the webhook sends: a quorum read from etcd) and n with resourceVersion=0
+    (served from the API server's watch cache, which may lag), alternating, one after another on
+    this process's keep-alive connection; ms per GET, this Python client's own time included."""
+    path = lib.fl_path(ns, lease)
+    ms: dict[str, list[float]] = {"quorum": [], "cache": []}
+    for _ in range(n):
+        for kind, query in (("quorum", ""), ("cache", "?resourceVersion=0")):
+            t = time.perf_counter()
+            kube.request("GET", path + query)
+            ms[kind].append((time.perf_counter() - t) * 1e3)
+    out = {"gets_each": n, **{k: stats999(v) for k, v in ms.items()},
+           "quorum_minus_cache_p50_ci95_ms": lib.bootstrap_ci(ms["quorum"], ms["cache"], 50),
+           "quorum_minus_cache_p99_ci95_ms": lib.bootstrap_ci(ms["quorum"], ms["cache"], 99)}
+    log(f"  a GET of the lease, {n} each, idle: quorum p50 {out['quorum']['p50']:.2f} p99 "
+        f"{out['quorum']['p99']:.2f} ms; from the watch cache p50 {out['cache']['p50']:.2f} p99 "
+        f"{out['cache']['p99']:.2f} ms")
+    return out
 
 
 def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: dict,
@@ -220,6 +288,9 @@ def main() -> None:
     ap.add_argument("--reads", nargs="+", choices=("shared", "per-request"), default=["shared"],
                     help="how the webhook's fresh reads are sent: shared by concurrent writes (as the "
                          "webhook runs), per request (--no-shared-reads), or both, one after the other")
+    ap.add_argument("--lease-reads", type=int, default=2000,
+                    help="GETs of the lease each way (quorum, from the cache) on the idle API server "
+                         "before the writers; 0: none")
     ap.add_argument("--name", default="webhook-concurrent",
                     help="the result's name (NAME.json in --out): webhook-sharing for the reads' A/B")
     ap.add_argument("--out", type=Path, required=True)
@@ -239,6 +310,10 @@ def main() -> None:
     create_configmaps(kube, ns, max(args.writers), ann, stale_ann)
     kube.request("PATCH", lib.fl_path(ns, "moved"), {"spec": {"holderIdentity": "worker-c"}},
                  "application/merge-patch+json")
+    reads_alone = None
+    if args.lease_reads:
+        step(f"the lease's read alone: {args.lease_reads} GETs each, quorum and from the watch cache")
+        reads_alone = lease_reads(kube, ns, "inventory", args.lease_reads)
     runs = []
     for replicas in args.replicas:
         for reads in args.reads:
@@ -247,7 +322,7 @@ def main() -> None:
     failed = sum(sum(r["failed"].values()) for r in runs)
     data = {"benchmark": args.name, "namespace": ns, "webhook_address": addr, "warmup": args.warmup,
             "registration": "service (HTTP/1.1 from the API server), endpoints resolved by the API server",
-            "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
+            "lease_read_alone_ms": reads_alone, "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
     lib.write_result(args.out, args.name, data)
     if failed:
         raise SystemExit(f"{failed} writes were not answered as expected (200, or 409 for a stale "
