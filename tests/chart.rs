@@ -466,6 +466,11 @@ fn rendered_objects_follow_the_design() {
     let hook = &vwc["webhooks"][0];
     assert_eq!(hook["failurePolicy"], "Fail");
     assert_eq!(hook["timeoutSeconds"], 5);
+    assert!(
+        fencedlease::webhook::DECISION_BUDGET.as_secs_f64()
+            < hook["timeoutSeconds"].as_f64().expect("a number"),
+        "the webhook must answer before the API server's default timeout gives up on it"
+    );
     assert_eq!(hook["sideEffects"], "None");
     assert_eq!(hook["admissionReviewVersions"], serde_json::json!(["v1"]));
     assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");

@@ -62,6 +62,11 @@ const COALESCED_READ_BOUNDS: coalesce::Bounds = coalesce::Bounds {
     read_timeout: FRESH_READ_TIMEOUT.saturating_add(Duration::from_millis(500)),
     max_wait: FRESH_READ_TIMEOUT.saturating_mul(2),
 };
+/// How long the webhook may take to decide a protected write, counted from when it began
+/// judging it: no more than a write waits for its lease's read (`COALESCED_READ_BOUNDS`), so
+/// that a refusal's read of the namespace's mode, after a slow read of the lease, cannot push
+/// the answer past the API server's timeout (the chart's 5 s) and lose the webhook's message.
+pub const DECISION_BUDGET: Duration = COALESCED_READ_BOUNDS.max_wait;
 /// How long one successful read from the API server keeps the webhook ready; a failed read
 /// makes it unready at once.
 const API_HEALTH_WINDOW: Duration = Duration::from_secs(5);
@@ -441,6 +446,12 @@ fn namespace_mode(ns: Option<kube::core::PartialObjectMeta<Namespace>>) -> Mode 
     )
 }
 
+/// What is left of `budget` after `spent`: never negative; at least a little, so that a read
+/// that answers at once (a coalesced read delivered) is still taken.
+fn time_left(budget: Duration, spent: Duration) -> Duration {
+    budget.saturating_sub(spent).max(Duration::from_millis(1))
+}
+
 /// Runs `read` with the fresh-read timeout, recording the outcome in `health` and, when given,
 /// its time in `seconds`.
 async fn timed_read<T>(
@@ -465,13 +476,14 @@ impl Shared {
     /// Decides one protected write. The cache may refuse a token already below a generation
     /// the lease reached; everything else, every Allow above all, is decided on a fresh read.
     async fn judge(&self, j: &Judgement) -> (AdmissionResponse, &'static str) {
+        let began = Instant::now();
         let key = ObjectRef::<FencedLease>::new(&j.lease_name).within(&j.namespace);
         let cached = self.store.get(&key).and_then(|l| view(&l));
         let w = j.attempt();
         let from_cache = decide(&w, cached.as_ref());
         if let Verdict::Refuse(r) = &from_cache {
             if !r.may_be_cache_lag() {
-                return self.refuse(j, r).await;
+                return self.refuse(j, r, began).await;
             }
         }
         let key = (j.namespace.clone(), j.lease_name.clone());
@@ -489,18 +501,31 @@ impl Shared {
                     self.metrics.cache_lag_caught.inc();
                     info!(lease = %j.lease_name, ns = %j.namespace, "the lease cache lagged: it would have allowed a write the fresh read refuses");
                 }
-                self.refuse(j, &r).await
+                self.refuse(j, &r, began).await
             }
         }
     }
 
     /// Refuses, unless the namespace is annotated for warn mode (read fresh, coalesced). A
-    /// namespace that cannot be read enforces (fail closed).
-    async fn refuse(&self, j: &Judgement, r: &Refusal) -> (AdmissionResponse, &'static str) {
-        let mode = match self.fresh.modes.read(j.namespace.clone()).await {
-            Ok(mode) => mode,
-            Err(e) => {
+    /// namespace that cannot be read within what is left of `DECISION_BUDGET` since `began`
+    /// enforces (fail closed).
+    async fn refuse(
+        &self,
+        j: &Judgement,
+        r: &Refusal,
+        began: Instant,
+    ) -> (AdmissionResponse, &'static str) {
+        let left = time_left(DECISION_BUDGET, began.elapsed());
+        let mode = match tokio::time::timeout(left, self.fresh.modes.read(j.namespace.clone()))
+            .await
+        {
+            Ok(Ok(mode)) => mode,
+            Ok(Err(e)) => {
                 debug!(ns = %j.namespace, error = %e, "namespace unreadable: enforcing");
+                Mode::Enforce
+            }
+            Err(_) => {
+                debug!(ns = %j.namespace, budget = ?DECISION_BUDGET, "no time left to read the namespace's mode: enforcing");
                 Mode::Enforce
             }
         };
@@ -858,4 +883,27 @@ fn start_readiness(shared: &Arc<Shared>, store: Store<FencedLease>) {
         });
     }
     tokio::spawn(shared.clone().probe_api());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_left_is_what_remains_of_the_budget_and_never_nothing() {
+        let ms = Duration::from_millis;
+        for (budget, spent, left) in [
+            (4000, 0, 4000),
+            (4000, 1500, 2500),
+            (4000, 3999, 1),
+            (4000, 4000, 1),
+            (4000, 9000, 1),
+        ] {
+            assert_eq!(
+                time_left(ms(budget), ms(spent)),
+                ms(left),
+                "{budget} {spent}"
+            );
+        }
+    }
 }
