@@ -63,6 +63,11 @@ def criterion(dir_: Path) -> dict:
     return out
 
 
+def pace_label(r: dict) -> str:
+    """How a setting of webhook_concurrent.py's writers was paced, for a table's cell."""
+    return f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+
+
 def read_cell(r: dict, obj: str) -> str:
     """The webhook's fresh reads of `obj` in one setting: 'p50 / p99' (ms, bucket bounds), or
     a dash when the run has none (a run before the histogram existed, or no such read)."""
@@ -91,7 +96,7 @@ def webhook_read_split(d: dict, md: list[str]) -> None:
               "lease reads p50 / p99 | namespace reads p50 / p99 | lease reads |\n|---|---|---|---|---|---|---|---|")
     for r in d["runs"]:
         a, call = r["added_ms"], r["apiserver_webhook_call_ms"]
-        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        pace = pace_label(r)
         n = ((r.get("fresh_read_ms") or {}).get("lease") or {}).get("reads", 0)
         md.append(f"| {r['replicas']} | {r['writers']} | {pace} | {a['p50']:.2f} / {a['p99']:.2f} | "
                   f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} | {read_cell(r, 'lease')} | "
@@ -113,7 +118,7 @@ def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
     for r in d["runs"]:
         m, a, ci = r["ms"], r["added_ms"], r["added_p99_ci95_ms"]
         failed = sum(r["failed"].values())
-        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        pace = pace_label(r)
         reads = sum(c.get("fresh_reads", 0) for c in r["replica_counters"])
         fenced = sum(v for c in r["replica_counters"] for k, v in c.items() if k.startswith("admissions")) or 1
         md.append(f"| {r.get('reads', 'shared')} | {r['writers']} | {pace} | {r['writes_per_s']:.0f} | "
@@ -142,7 +147,7 @@ def webhook_concurrent(d: dict | None, md: list[str], summary: dict, verdict) ->
         m, a, call = r["ms"], r["added_ms"], r["apiserver_webhook_call_ms"]
         ci = r["added_p99_ci95_ms"]
         failed = sum(r["failed"].values())
-        pace = f"{r['rate']:g}/s in all" if r.get("rate") else "back to back"
+        pace = pace_label(r)
         md.append(f"| {r['replicas']} | {r['writers']} | {pace} | {r['writes_per_s']:.0f} | "
                   f"{m['protected']['p50']:.2f} / {m['protected']['p99']:.2f} / {m['protected']['p999']:.2f} | "
                   f"{m['plain']['p50']:.2f} / {m['plain']['p99']:.2f} / {m['plain']['p999']:.2f} | "

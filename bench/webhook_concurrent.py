@@ -106,10 +106,10 @@ COUNTERS = ("fencedlease_webhook_admissions_total", "fencedlease_webhook_connect
 READ_COUNTERS = ("admissions", "fresh_reads")
 
 
-def counters(mport: int) -> dict[str, float]:
+def counters(text: str) -> dict[str, float]:
     """A replica's admissions, its fresh reads (sent, and shared by several writes), its
-    connections accepted by protocol (what ALPN chose), and refused and closed by reason."""
-    text = lib.http_get(mport, "/metrics")
+    connections accepted by protocol (what ALPN chose), and refused and closed by reason, from
+    its metrics page."""
     out = {}
     for name in COUNTERS:
         for labels, v in lib.metric_values(text, name).items():
@@ -122,11 +122,11 @@ def counters(mport: int) -> dict[str, float]:
 READ_OBJECTS = ("lease", "namespace")
 
 
-def read_histograms(mports: list[int]) -> dict[str, dict[float, float]]:
-    """The replicas' fresh-read histograms, by object, their buckets summed over the replicas."""
+def read_histograms(pages: list[str]) -> dict[str, dict[float, float]]:
+    """The replicas' fresh-read histograms, by object, their buckets summed over the replicas'
+    metrics pages."""
     out: dict[str, dict[float, float]] = {o: {} for o in READ_OBJECTS}
-    for p in mports:
-        text = lib.http_get(p, "/metrics")
+    for text in pages:
         for o in READ_OBJECTS:
             for le, n in buckets(text, "fencedlease_webhook_fresh_read_seconds", (f'object="{o}"',)).items():
                 out[o][le] = out[o].get(le, 0) + n
@@ -176,8 +176,9 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     token.write_text(lib.admin_token())
     writes = args.paced_writes if rate else args.writes
     out = work / f"writers-{len(mports)}-{writers}-{rate or 'closed'}.json"
-    counts0 = [counters(p) for p in mports]
-    reads0 = read_histograms(mports)
+    pages0 = [lib.http_get(p, "/metrics") for p in mports]
+    counts0 = [counters(page) for page in pages0]
+    reads0 = read_histograms(pages0)
     api_before = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
     argv = [str(WRITERS), "--server", f"https://127.0.0.1:{lib.API_PORT}", "--ca", str(lib.ca_file()),
             "--token-file", str(token), "--namespace", ns, "--writers", str(writers),
@@ -189,8 +190,9 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
         raise RuntimeError(f"apiserver_writers failed ({r.returncode}): {r.stderr[-2000:]}")
     raw = json.loads(out.read_text())
     api_after = apiserver_webhook_histogram(kube.request("GET", "/metrics"))
-    per_replica = [delta(counters(p), c) for p, c in zip(mports, counts0)]
-    read_times = read_ms(reads0, read_histograms(mports))
+    pages = [lib.http_get(p, "/metrics") for p in mports]
+    per_replica = [delta(counters(page), c) for page, c in zip(pages, counts0)]
+    read_times = read_ms(reads0, read_histograms(pages))
     spread = [sum(v for k, v in r.items() if k.startswith("admissions")) for r in per_replica]
     ms = {k: [v / 1e6 for v in raw["kinds"][k]["ns"]] for k in KINDS}
     s = {k: stats999(ms[k]) for k in KINDS}
