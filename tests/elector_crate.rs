@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{client, ensure_crd, eventually, TestNamespace};
 use fencedlease_elector::{
-    Elector, ElectorConfig, ElectorHandle, FencedLease, FencingToken, LeaderState,
+    Elector, ElectorConfig, ElectorHandle, FencedLease, FencingToken, LeaderState, Timing,
 };
 use kube::{Api, Client};
 use tokio::sync::watch;
@@ -171,4 +171,103 @@ async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_toke
     let lease = api.get("db").await.expect("the lease stays");
     assert_eq!(lease.holder(), None);
     assert!(lease.token() > Some(third.generation));
+}
+
+/// Issue 33, hole 1: two processes of one identity (a StatefulSet pod re-created under its
+/// name). A leads through a proxy that then cuts it off; meanwhile its lease is revoked and a
+/// new process B of the same identity acquires it. When A reaches the API server again, its
+/// next renewal meets a conflict and its re-read shows the lease naming its identity with a
+/// higher token: B's tenure, which A must not adopt. A stops leading; B leads alone, with its
+/// own incarnation on the lease. (The `sequences` tests in elector/src/lease/elector.rs feed the
+/// same order to the elector deterministically, with a fake API server; here it runs against
+/// the real one.)
+#[tokio::test]
+async fn a_process_cut_off_while_its_identity_re_acquires_stops_instead_of_taking_the_new_token() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "incarnation").await;
+    let dir = common::procs::scratch_dir("incarnation");
+    let proxy = common::apiproxy::ApiProxy::start(&dir);
+    let through = common::client_from(&proxy.kubeconfig).await;
+    // A renews every 100 ms, so that it is retrying a renewal (not waiting) when it comes back:
+    // the conflict's re-read, not its watch, is the first to show it the new tenure.
+    let timing = Timing {
+        lease_duration: Duration::from_secs(10),
+        renew_interval: Duration::from_millis(100),
+        safety_margin: Duration::from_secs(2),
+    };
+    let start = |client: &Client| {
+        let mut cfg = ElectorConfig::new(&ns.name, "db", "web-0");
+        cfg.create_with_duration = Some(10);
+        cfg.timing_override = Some(timing);
+        let (elector, handle) = Elector::new(client.clone(), cfg).expect("a valid config");
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(elector.run(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        Participant {
+            identity: "web-0",
+            handle,
+            stop,
+            task,
+        }
+    };
+    let a = start(&through);
+    let first = eventually(Duration::from_secs(30), "A to lead", || async { a.token() }).await;
+
+    proxy.cut();
+    let api: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    let revoked = eventually(Duration::from_secs(10), "revoking A's tenure", || async {
+        let lease = api.get("db").await.ok()?;
+        match fencedlease_elector::lease::revoke(&api, &lease).await {
+            Ok(fencedlease_elector::lease::Revocation::Revoked(l)) => Some(*l),
+            _ => None,
+        }
+    })
+    .await;
+    let b = start(&client);
+    let second = eventually(
+        Duration::from_secs(10),
+        "B (web-0 again) to lead",
+        || async { b.token() },
+    )
+    .await;
+    assert!(second.generation > revoked.token().unwrap_or(i64::MAX));
+    let with_b = api.get("db").await.expect("the lease");
+    let b_incarnation = with_b.holder_incarnation().map(str::to_string);
+    assert!(
+        b_incarnation.is_some(),
+        "B's acquisition records its process"
+    );
+
+    proxy.restore();
+    let after = eventually(
+        Duration::from_secs(10),
+        "A to see that its tenure ended",
+        || async {
+            let s = a.handle.state.borrow().clone();
+            match &s {
+                LeaderState::Leading { token, .. } if *token == first => None,
+                _ => Some(s),
+            }
+        },
+    )
+    .await;
+    assert!(
+        matches!(after, LeaderState::Following { .. }),
+        "A, cut off while its identity re-acquired, must stop leading; it went on as {after:?} \
+         (B leads with {second})"
+    );
+    assert_eq!(b.token(), Some(second.clone()), "B still leads");
+    let lease = api.get("db").await.expect("the lease");
+    assert_eq!(
+        lease.holder_incarnation().map(str::to_string),
+        b_incarnation
+    );
+    assert_eq!(lease.token(), Some(second.generation));
+    // A shuts down without releasing B's tenure; then B releases its own.
+    a.shut_down().await;
+    assert_eq!(api.get("db").await.expect("lease").holder(), Some("web-0"));
+    b.shut_down().await;
+    assert_eq!(api.get("db").await.expect("lease").holder(), None);
 }

@@ -35,6 +35,11 @@ pub const LEASE_UID_ANNOTATION: &str = key!("lease-uid");
 /// Annotation carrying a value new on every write (a UUID, say): the proof that the write
 /// presented its token itself rather than inheriting the stored one.
 pub const WRITE_ID_ANNOTATION: &str = key!("write-id");
+/// Annotation on a FencedLease naming the process that holds it: written by the elector with
+/// every acquisition, beside `spec.holderIdentity`. A tenure belongs to one process, so a
+/// second process of the same identity (a StatefulSet pod re-created under its name) never
+/// takes the first one's token for its own, nor the first one the second's.
+pub const INCARNATION_ANNOTATION: &str = key!("holder-incarnation");
 /// Annotation on a Namespace choosing the fencing mode for the protected objects in it:
 /// `enforce` (default) or `warn`. Annotations on the protected objects themselves choose
 /// nothing.
@@ -304,6 +309,15 @@ impl FencedLease {
         } else {
             None
         }
+    }
+
+    /// The process that acquired the lease ([`INCARNATION_ANNOTATION`]), if recorded.
+    pub fn holder_incarnation(&self) -> Option<&str> {
+        self.metadata
+            .annotations
+            .as_ref()?
+            .get(INCARNATION_ANNOTATION)
+            .map(String::as_str)
     }
 
     /// The current holder, treating an empty string as none.

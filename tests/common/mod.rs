@@ -58,9 +58,18 @@ pub async fn client_as(user: &str) -> Client {
     client_impersonating(Some(user)).await
 }
 
+/// A client from another kubeconfig of the test cluster's (say, one through an
+/// [`apiproxy::ApiProxy`]).
+pub async fn client_from(path: &Path) -> Client {
+    client_of(path, None).await
+}
+
 async fn client_impersonating(user: Option<&str>) -> Client {
-    let path = kubeconfig_path();
-    let kc = Kubeconfig::read_from(&path)
+    client_of(&kubeconfig_path(), user).await
+}
+
+async fn client_of(path: &Path, user: Option<&str>) -> Client {
+    let kc = Kubeconfig::read_from(path)
         .unwrap_or_else(|e| panic!("{}\n(reading {}: {e})", how_to_start(), path.display()));
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await

@@ -17,10 +17,13 @@ use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, instrument, warn};
 
 use super::rules::{
-    candidate_decision, holder_decision, lease_seconds, observer_lease_duration, recorded_seconds,
-    Activity, CandidateAction, FencingToken, HolderAction, Mono, Observation, Tenure, Timing,
+    candidate_decision, holder_decision, holder_view, lease_seconds, observer_lease_duration,
+    recorded_seconds, Activity, CandidateAction, FencingToken, HeldFacts, HolderAction, Mono,
+    Observation, Tenure, TenureEnd, TenureOwner, Timing,
 };
-use crate::api::{FencedLease, FencedLeaseSpec, MAX_LEASE_DURATION_SECONDS};
+use crate::api::{
+    FencedLease, FencedLeaseSpec, INCARNATION_ANNOTATION, MAX_LEASE_DURATION_SECONDS,
+};
 
 /// How long to wait before retrying after a write failed for a reason other than a conflict.
 const RETRY_BACKOFF: Duration = Duration::from_millis(250);
@@ -157,6 +160,8 @@ impl ElectorHandle {
 pub struct Elector {
     api: Api<FencedLease>,
     cfg: ElectorConfig,
+    /// This process's incarnation: new for every elector, written with each acquisition.
+    incarnation: String,
     origin: Instant,
     state: watch::Sender<LeaderState>,
     release: Arc<Notify>,
@@ -194,6 +199,7 @@ impl Elector {
         let elector = Elector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
+            incarnation: new_incarnation(),
             origin: Instant::now(),
             state: tx,
             release: release.clone(),
@@ -234,6 +240,22 @@ impl Elector {
 
     fn me(&self) -> &str {
         &self.cfg.identity
+    }
+
+    /// Whether `lease` is still the tenure acquired on `uid`, and with which token.
+    fn still_ours(&self, lease: &FencedLease, uid: &str, token: i64) -> Result<i64, TenureEnd> {
+        let own = TenureOwner {
+            identity: self.me(),
+            incarnation: &self.incarnation,
+            lease_uid: uid,
+        };
+        let facts = HeldFacts {
+            uid: lease.metadata.uid.as_deref(),
+            holder: lease.holder(),
+            incarnation: lease.holder_incarnation(),
+            generation: lease.token(),
+        };
+        holder_view(&own, token, &facts)
     }
 
     /// Campaigns until `shutdown` completes, then releases the lease if it holds it.
@@ -381,23 +403,22 @@ impl Elector {
         retry_at: Option<Instant>,
         now: Instant,
     ) -> Instant {
-        if lease.metadata.uid.as_deref() != Some(uid.as_str()) {
-            self.lose("the FencedLease was re-created");
-            return now;
-        }
-        if lease.holder() != Some(self.me()) {
-            self.lose("another writer changed the holder");
-            return now;
-        }
+        // A spec edit (say, of the duration) of our own tenure moves the token on and our old
+        // one will be refused, so the new one is adopted; anything else ends the tenure.
+        let token = match self.still_ours(&lease, &uid, tenure.token) {
+            Ok(token) => token,
+            Err(end) => {
+                self.lose(end.describe());
+                return now;
+            }
+        };
         let timing = self.timing(&lease);
         // A shorter duration in the spec shortens our validity at once; a longer one applies
         // from the renewal that records it in status.
-        let mut tenure = tenure.seeing(timing);
-        if let Some(generation) = lease.token().filter(|g| *g > tenure.token) {
-            // A spec edit (say, of the duration) while we hold it: the token moved on and
-            // our old one will be refused, so adopt the new one.
-            tenure.token = generation;
-        }
+        let tenure = Tenure {
+            token,
+            ..tenure.seeing(timing)
+        };
         if self.tenure.as_ref().map(|(t, _)| t) != Some(&tenure) {
             self.tenure = Some((tenure, uid));
             self.publish_leading();
@@ -531,6 +552,11 @@ impl Elector {
         let before = lease.token().unwrap_or_default();
         let mut desired = lease.clone();
         desired.spec.holder_identity = Some(self.cfg.identity.clone());
+        desired
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(INCARNATION_ANNOTATION.into(), self.incarnation.clone());
         // The preferred holder had its chance (or is us): clear it so nobody steps down again.
         desired.spec.preferred_holder = None;
         let sent = Instant::now();
@@ -694,10 +720,8 @@ impl Elector {
             let Some(lease) = self.latest.clone() else {
                 return;
             };
-            if lease.metadata.uid.as_deref() != Some(uid.as_str())
-                || lease.holder() != Some(self.me())
-            {
-                return; // not ours any more: nothing to release
+            if self.still_ours(&lease, &uid, tenure.token).is_err() {
+                return; // not ours any more (another process's, perhaps): nothing to release
             }
             let mut desired = lease;
             desired.spec.holder_identity = None;
@@ -726,6 +750,19 @@ impl Elector {
             }
         }
     }
+}
+
+/// A new process incarnation: the process id, the start time and 64 bits from the standard
+/// library's randomly keyed hasher, so that two electors never share one (even a pod's PID 1
+/// restarted in the same second).
+fn new_incarnation() -> String {
+    use std::hash::BuildHasher;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let pid = std::process::id();
+    let salt = std::collections::hash_map::RandomState::new().hash_one((pid, nanos));
+    format!("{pid}-{:x}-{salt:016x}", nanos % (1 << 48))
 }
 
 /// The parts of a lease whose change counts as activity.
@@ -758,4 +795,207 @@ fn rv_num(obj: &FencedLease) -> u64 {
         .as_deref()
         .and_then(|rv| rv.parse().ok())
         .unwrap_or(0)
+}
+
+/// Reconcile sequences against an in-process fake API server: each test sets up what the
+/// elector believes and what the server holds, steps the elector, and checks both the requests
+/// it sent and what it published. The real-server tests (tests/elector_crate.rs,
+/// tests/election.rs) stay beside these; these drive orders a real cluster rarely shows.
+#[cfg(test)]
+mod sequences {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    const NS: &str = "ns";
+    const NAME: &str = "job";
+    const ME: &str = "web-0";
+
+    /// The fake server: answers GET of the lease with `lease`, a status write with 409
+    /// Conflict, a spec write by storing and answering the object sent (its generation and
+    /// resourceVersion moved on); records every request as "METHOD path".
+    #[derive(Default)]
+    struct Server {
+        lease: Mutex<Option<FencedLease>>,
+        requests: Mutex<Vec<String>>,
+    }
+
+    fn status(code: u16, reason: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": reason, "reason": reason, "code": code,
+        }))
+        .unwrap_or_default()
+    }
+
+    impl Server {
+        fn answer(&self, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+            self.requests
+                .lock()
+                .unwrap()
+                .push(format!("{method} {path}"));
+            let lease = self.lease.lock().unwrap().clone();
+            match (method, path.ends_with("/status"), lease) {
+                ("GET", false, Some(l)) => (200, serde_json::to_vec(&l).unwrap_or_default()),
+                ("GET", false, None) => (404, status(404, "NotFound")),
+                ("PUT", true, _) => (409, status(409, "Conflict")),
+                ("PUT", false, _) => {
+                    let mut sent: FencedLease = serde_json::from_slice(body).unwrap();
+                    sent.metadata.resource_version = Some("99".into());
+                    sent.metadata.generation = sent.metadata.generation.map(|g| g + 1);
+                    *self.lease.lock().unwrap() = Some(sent.clone());
+                    (200, serde_json::to_vec(&sent).unwrap_or_default())
+                }
+                _ => (500, status(500, "InternalError")),
+            }
+        }
+
+        fn requests(&self) -> Vec<String> {
+            self.requests.lock().unwrap().clone()
+        }
+    }
+
+    fn client(server: Arc<Server>) -> Client {
+        let svc = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let server = server.clone();
+            async move {
+                let method = req.method().to_string();
+                let path = req.uri().path().to_string();
+                let body = req.into_body().collect_bytes().await.unwrap_or_default();
+                let (code, bytes) = server.answer(&method, &path, &body);
+                http::Response::builder()
+                    .status(code)
+                    .body(kube::client::Body::from(bytes))
+            }
+        });
+        Client::new(svc, NS)
+    }
+
+    /// The lease as the server holds it: held by `ME` with `incarnation`, token `generation`.
+    fn lease(generation: i64, incarnation: &str, rv: &str) -> FencedLease {
+        let mut spec = FencedLeaseSpec::free();
+        spec.holder_identity = Some(ME.into());
+        spec.lease_duration_seconds = 10;
+        let mut l = FencedLease::new(NAME, spec);
+        l.metadata = ObjectMeta {
+            name: Some(NAME.into()),
+            namespace: Some(NS.into()),
+            uid: Some("u1".into()),
+            generation: Some(generation),
+            resource_version: Some(rv.into()),
+            annotations: Some(BTreeMap::from([(
+                INCARNATION_ANNOTATION.to_string(),
+                incarnation.to_string(),
+            )])),
+            ..ObjectMeta::default()
+        };
+        l
+    }
+
+    /// An elector of identity `ME` that holds `held` (token 3, its own incarnation), renewed 4 s
+    /// ago under a 10 s lease: still valid for 4 s, its next renewal due now.
+    fn holder(server: &Arc<Server>) -> (Elector, ElectorHandle, FencedLease) {
+        let (mut e, h) =
+            Elector::new(client(server.clone()), ElectorConfig::new(NS, NAME, ME)).unwrap();
+        e.origin = Instant::now() - Duration::from_secs(100);
+        let held = lease(3, &e.incarnation.clone(), "10");
+        let timing = Timing::for_lease_seconds(10);
+        let sent = e.mono(Instant::now()) - Duration::from_secs(4);
+        let tenure = Tenure::acquired(3, sent, timing).renewed(sent, timing);
+        e.saw(Some(held.clone()));
+        e.tenure = Some((tenure, "u1".into()));
+        e.publish_leading();
+        (e, h, held)
+    }
+
+    fn following(token: i64) -> LeaderState {
+        LeaderState::Following {
+            holder: Some(ME.into()),
+            token: Some(token),
+        }
+    }
+
+    const LEASE_PATH: &str = "/apis/fencedlease.io/v1alpha1/namespaces/ns/fencedleases/job";
+
+    #[tokio::test]
+    async fn a_holder_that_learns_of_its_identity_s_new_tenure_through_a_conflict_stops() {
+        let server = Arc::new(Server::default());
+        let (mut a, handle, _) = holder(&server);
+        // Meanwhile the lease was revoked (token 4) and a new process of the same identity
+        // acquired it (token 5); this holder saw neither on its watch.
+        *server.lease.lock().unwrap() = Some(lease(5, "newcomer", "20"));
+        a.step().await; // the renewal meets 409, and the re-read brings the newcomer's tenure
+        a.step().await;
+        assert_eq!(
+            server.requests(),
+            [
+                format!("PUT {LEASE_PATH}/status"),
+                format!("GET {LEASE_PATH}")
+            ]
+        );
+        assert_eq!(
+            *handle.state.borrow(),
+            following(5),
+            "not the newcomer's token"
+        );
+        assert!(a.tenure.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_re_lists_the_newcomer_s_tenure_stops() {
+        let server = Arc::new(Server::default());
+        let (mut a, handle, _) = holder(&server);
+        a.saw(Some(lease(5, "newcomer", "20")));
+        a.step().await;
+        assert_eq!(*handle.state.borrow(), following(5));
+        assert_eq!(server.requests(), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn a_holder_shutting_down_never_releases_the_newcomer_s_tenure() {
+        let server = Arc::new(Server::default());
+        let (mut a, _handle, _) = holder(&server);
+        a.saw(Some(lease(5, "newcomer", "20")));
+        a.release("shutdown").await;
+        assert_eq!(
+            server.requests(),
+            Vec::<String>::new(),
+            "no write clears it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_spec_edit_of_its_own_tenure_is_adopted() {
+        let server = Arc::new(Server::default());
+        let (mut a, handle, held) = holder(&server);
+        let mut edited = lease(4, &a.incarnation.clone(), "11");
+        edited.spec = held.spec;
+        *server.lease.lock().unwrap() = Some(edited.clone());
+        a.saw(Some(edited));
+        a.step().await;
+        let state = handle.state.borrow().clone();
+        match state {
+            LeaderState::Leading { token, .. } => assert_eq!(token.generation, 4),
+            other => panic!("want leading with token 4, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn every_acquisition_writes_this_process_s_incarnation() {
+        let server = Arc::new(Server::default());
+        let (mut b, _handle) = Elector::new(
+            client(server.clone()),
+            ElectorConfig::new(NS, NAME, "web-1"),
+        )
+        .unwrap();
+        let mut free = lease(6, "someone-else", "30");
+        free.spec.holder_identity = None;
+        b.acquire(free, Timing::for_lease_seconds(10)).await;
+        let held = b.latest.clone().expect("the acquiring write's answer");
+        assert_eq!(held.holder_incarnation(), Some(b.incarnation.as_str()));
+        assert_ne!(new_incarnation(), new_incarnation(), "one per elector");
+    }
 }

@@ -311,6 +311,82 @@ pub fn holder_decision(
     }
 }
 
+/// Who holds a tenure: the identity written to `spec.holderIdentity`, and the process that
+/// acquired it. Two processes may share an identity (a StatefulSet pod re-created under its
+/// name, `campaign`'s HOSTNAME-PID when the command is PID 1), but never an incarnation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenureOwner<'a> {
+    /// This participant's identity.
+    pub identity: &'a str,
+    /// This process's incarnation, written with the acquiring write.
+    pub incarnation: &'a str,
+    /// The `metadata.uid` of the lease the tenure was acquired on.
+    pub lease_uid: &'a str,
+}
+
+/// The parts of a lease a holder reads to decide whether the tenure is still its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldFacts<'a> {
+    /// `metadata.uid`.
+    pub uid: Option<&'a str>,
+    /// `spec.holderIdentity`, empty counted as none.
+    pub holder: Option<&'a str>,
+    /// The incarnation written with the holder (the `fencedlease.io/holder-incarnation`
+    /// annotation).
+    pub incarnation: Option<&'a str>,
+    /// `metadata.generation`, the token.
+    pub generation: Option<i64>,
+}
+
+/// Why a holder saw that its tenure ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TenureEnd {
+    /// The lease was deleted and created again: a new object, whose tokens start over.
+    Recreated,
+    /// The lease names another holder, or none.
+    HolderChanged,
+    /// The lease names this identity, but another process acquired it (after a revocation or
+    /// a release this process did not see): its token is not ours to adopt.
+    OtherIncarnation,
+}
+
+impl TenureEnd {
+    /// For people: why leadership stopped.
+    pub fn describe(self) -> &'static str {
+        match self {
+            TenureEnd::Recreated => "the FencedLease was re-created",
+            TenureEnd::HolderChanged => "another writer changed the holder",
+            TenureEnd::OtherIncarnation => {
+                "another process of this identity acquired the lease (a new incarnation)"
+            }
+        }
+    }
+}
+
+/// A holder's reading of the lease: the tenure goes on with this token (a higher generation
+/// of the same tenure is a spec edit, say of the duration, and is adopted), or it ended.
+///
+/// A higher generation is adopted only while the lease names this very process: a revocation
+/// followed by a re-acquisition under the same identity also raises the generation and leaves
+/// the holder field as it was, and the process that learns of it late (through a conflict's
+/// re-read, or a re-list) must stop, not take the newcomer's token.
+pub fn holder_view(
+    own: &TenureOwner<'_>,
+    token: i64,
+    lease: &HeldFacts<'_>,
+) -> Result<i64, TenureEnd> {
+    if lease.uid != Some(own.lease_uid) {
+        return Err(TenureEnd::Recreated);
+    }
+    if lease.holder.filter(|h| !h.is_empty()) != Some(own.identity) {
+        return Err(TenureEnd::HolderChanged);
+    }
+    if lease.incarnation != Some(own.incarnation) {
+        return Err(TenureEnd::OtherIncarnation);
+    }
+    Ok(lease.generation.map_or(token, |g| g.max(token)))
+}
+
 /// What the controller should do about a lease it watches.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ControllerAction {
@@ -520,6 +596,40 @@ mod tests {
         );
         assert!(tenure.claims(112 * S));
         assert!(!tenure.claims(113 * S));
+    }
+
+    #[test]
+    fn a_tenure_is_one_process_s_and_only_its_own_spec_edits_are_adopted() {
+        let own = TenureOwner {
+            identity: "web-0",
+            incarnation: "p1",
+            lease_uid: "u1",
+        };
+        let facts = |uid, holder, inc, generation| HeldFacts {
+            uid: Some(uid),
+            holder,
+            incarnation: inc,
+            generation: Some(generation),
+        };
+        let ours = Some("web-0");
+        #[rustfmt::skip]
+        let table: [(&str, HeldFacts, Result<i64, TenureEnd>); 9] = [
+            ("unchanged", facts("u1", ours, Some("p1"), 7), Ok(7)),
+            ("a spec edit of our tenure is adopted", facts("u1", ours, Some("p1"), 8), Ok(8)),
+            ("an older read never lowers the token", facts("u1", ours, Some("p1"), 6), Ok(7)),
+            ("revoked, re-acquired by a new process of this identity",
+                facts("u1", ours, Some("p2"), 9), Err(TenureEnd::OtherIncarnation)),
+            ("the same, the newcomer's token equal to ours",
+                facts("u1", ours, Some("p2"), 7), Err(TenureEnd::OtherIncarnation)),
+            ("a lease naming us with no incarnation (written by an older version)",
+                facts("u1", ours, None, 9), Err(TenureEnd::OtherIncarnation)),
+            ("another holder", facts("u1", Some("web-1"), Some("p1"), 8), Err(TenureEnd::HolderChanged)),
+            ("released", facts("u1", Some(""), Some("p1"), 8), Err(TenureEnd::HolderChanged)),
+            ("re-created", facts("u2", ours, Some("p1"), 1), Err(TenureEnd::Recreated)),
+        ];
+        for (what, lease, want) in table {
+            assert_eq!(holder_view(&own, 7, &lease), want, "{what}");
+        }
     }
 
     #[test]
