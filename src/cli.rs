@@ -46,6 +46,9 @@ pub enum Command {
     /// Run beside an app: campaign for a lease and hand the app the token over a loopback
     /// HTTP API and a file.
     Sidecar(crate::sidecar::SidecarArgs),
+    /// Internal: what `campaign` runs its command under (see src/campaign/keeper.rs).
+    #[command(hide = true)]
+    Keep(crate::campaign::keeper::KeepArgs),
     /// Exit 0 if an http:// URL answers 2xx within two seconds (for exec probes).
     Probe {
         /// The URL to GET, for example http://127.0.0.1:8787/readyz.
@@ -87,6 +90,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Campaign(args) => crate::campaign::run(args).await,
+        Command::Keep(args) => crate::campaign::keeper::run(args),
         #[cfg(feature = "operator")]
         Command::Controller(args) => crate::controller::run(args).await,
         #[cfg(feature = "operator")]

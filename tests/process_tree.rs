@@ -226,6 +226,44 @@ async fn grandchildren_that_escape_into_a_session_of_their_own_are_killed_too() 
     revocation_kills_the_tree("tree-escape", ESCAPING, ESCAPING_PIDS).await;
 }
 
+/// Issue 33, hole 10: campaign SIGKILLed (as the OOM killer would) takes the command's whole
+/// tree with it, the grandchildren that escaped into sessions of their own included: nothing
+/// keeps working with the token once the process that renews it is gone. (The keeper between
+/// them, src/campaign/keeper.rs, sees campaign's end of its pipe close.)
+#[tokio::test]
+async fn a_sigkilled_campaign_takes_the_command_s_whole_tree_with_it() {
+    let client = client().await;
+    ensure_crd();
+    for (prefix, script, n) in [
+        ("tree-kill9-nested", NESTED, NESTED_PIDS),
+        ("tree-kill9-escape", ESCAPING, ESCAPING_PIDS),
+    ] {
+        let ns = TestNamespace::new(&client, prefix).await;
+        let dir = scratch_dir(prefix);
+        let flags = ["--lease-duration", "10", "--grace-seconds", "5"];
+        let mut c = TreeCampaign::start(&dir, &ns.name, script, &flags, &[]);
+        let pids = c.running(n).await;
+        c.proc.signal(nix::sys::signal::Signal::SIGKILL);
+        assert_eq!(
+            c.proc.wait_exit(Duration::from_secs(10)),
+            Some(-1),
+            "campaign ended by its SIGKILL (no exit code)"
+        );
+        // The ceiling only stops a hung test; without the keeper the tree runs on for good.
+        eventually(
+            Duration::from_secs(20),
+            &format!("{prefix}: every process of the command to end"),
+            || async {
+                let left: Vec<i32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+                left.is_empty()
+                    .then_some(())
+                    .ok_or(format!("still running: {left:?}"))
+            },
+        )
+        .await;
+    }
+}
+
 /// A TCP forwarder to the API server that can be cut like a network partition: bytes stop
 /// flowing both ways, connections stay open, new ones are taken and never answered.
 struct Partition {

@@ -3,7 +3,10 @@
 //! session of their own) before leadership ends.
 //!
 //! When to signal is decided by the pure [`plan`] and [`stop_times`]; the `tree` module does the
-//! signalling over /proc.
+//! signalling over /proc. The command runs under a [`keeper`], which ends the tree when this
+//! process ends, however it ends.
+
+pub mod keeper;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -271,9 +274,13 @@ impl Seen {
 
 /// The command while it runs: its direct child leads a session and process group of its own.
 struct Running {
+    /// The keeper (`fencedlease keep`), whose child is the command.
     child: Child,
     group: nix::unistd::Pid,
     token: FencingToken,
+    /// The write end of the keeper's pipe: closed when this process ends (or the run is
+    /// dropped), which makes the keeper kill the whole tree.
+    _alive: std::os::fd::OwnedFd,
 }
 
 struct Campaign {
@@ -446,7 +453,7 @@ impl Campaign {
             );
         }
         info!(token = token.generation, "leading: starting the command");
-        let child = spawn_command(&self.args, &self.identity, token)?;
+        let (child, alive) = spawn_command(&self.args, &self.identity, token)?;
         let pid = child
             .id()
             .and_then(|p| i32::try_from(p).ok())
@@ -455,6 +462,7 @@ impl Campaign {
             child,
             group: nix::unistd::Pid::from_raw(pid),
             token: token.clone(),
+            _alive: alive,
         });
         Ok(())
     }
@@ -498,34 +506,45 @@ impl Campaign {
     }
 }
 
+/// Starts the command under a keeper (see [`keeper`]), in a session of its own (so that the
+/// whole group can be signalled, and no terminal's signals reach it behind this process's
+/// back). Returns the keeper and the write end of its pipe.
 fn spawn_command(
     args: &CampaignArgs,
     identity: &str,
     token: &FencingToken,
-) -> anyhow::Result<Child> {
-    let (program, rest) = args
-        .command
-        .split_first()
-        .context("no command given after --")?;
-    let mut command = Command::new(program);
+) -> anyhow::Result<(Child, std::os::fd::OwnedFd)> {
+    use std::os::fd::AsRawFd;
+    let program = args.command.first().context("no command given after --")?;
+    let me = std::env::current_exe().context("finding this program's own path for the keeper")?;
+    // Both ends close on exec; the keeper's end is made inheritable in the child alone.
+    let (watch, alive) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).context("making the keeper's pipe")?;
+    let watch_fd = watch.as_raw_fd();
+    let mut command = Command::new(me);
     command
-        .args(rest)
+        .args(keeper::keeper_args(watch_fd, &args.command))
         .env("FENCEDLEASE_TOKEN", token.generation.to_string())
         .env("FENCEDLEASE_LEASE_UID", &token.lease_uid)
         .env("FENCEDLEASE_LEASE", &args.lease)
         .env("FENCEDLEASE_NAMESPACE", &args.namespace)
-        .env("FENCEDLEASE_IDENTITY", identity)
-        .kill_on_drop(true);
-    // SAFETY: between fork and exec the closure only calls setsid(2), which is
+        .env("FENCEDLEASE_IDENTITY", identity);
+    // SAFETY: between fork and exec the closure only calls setsid(2) and fcntl(2), which are
     // async-signal-safe, and allocates nothing.
     unsafe {
-        // A session (and so a process group) of its own: the whole group can be signalled,
-        // and no terminal's signals reach it behind this process's back.
-        command.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+        command.pre_exec(move || {
+            nix::unistd::setsid()?;
+            let fd = std::os::fd::BorrowedFd::borrow_raw(watch_fd);
+            let flags = nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty());
+            nix::fcntl::fcntl(fd, flags)?;
+            Ok(())
+        });
     }
-    command
+    let child = command
         .spawn()
-        .with_context(|| format!("starting {program:?}"))
+        .with_context(|| format!("starting {program:?}"))?;
+    drop(watch);
+    Ok((child, alive))
 }
 
 async fn wait_child(running: &mut Option<Running>) -> anyhow::Result<ExitStatus> {
@@ -584,12 +603,17 @@ mod tree {
     /// children this process starts otherwise (a kubeconfig exec credential plugin) do, and
     /// are left to whoever waits for them.
     pub fn command_processes(table: &[ProcInfo], root: i32, root_group: i32) -> Vec<ProcInfo> {
+        descendants(table, root, Some(root_group))
+    }
+
+    /// `root`'s descendants, leaving out those in `except_group` (and what they started).
+    fn descendants(table: &[ProcInfo], root: i32, except_group: Option<i32>) -> Vec<ProcInfo> {
         let mut out: Vec<ProcInfo> = Vec::new();
         let mut parents = vec![root];
         while let Some(parent) = parents.pop() {
             let children = table
                 .iter()
-                .filter(|p| p.ppid == parent && p.pid != root && p.pgid != root_group);
+                .filter(|p| p.ppid == parent && p.pid != root && Some(p.pgid) != except_group);
             for p in children {
                 if !out.iter().any(|o| o.pid == p.pid) {
                     out.push(*p);
@@ -630,6 +654,28 @@ mod tree {
         let _ = kill(Pid::from_raw(-group.as_raw()), sig); // ESRCH: the group is empty
         for p in command_processes_now().iter().filter(|p| !p.zombie) {
             let _ = kill(Pid::from_raw(p.pid), sig); // ESRCH: it just exited
+        }
+    }
+
+    /// For the keeper: SIGKILLs every descendant of this process, again and again (a process
+    /// may fork between the scan and the signal), reaping them, until none is left or
+    /// `REAP_TIMEOUT` has passed.
+    pub fn kill_all_descendants() {
+        let me = getpid().as_raw();
+        let started = std::time::Instant::now();
+        loop {
+            let left = descendants(&proc_table(), me, None);
+            for p in &left {
+                if p.zombie && p.ppid == me {
+                    let _ = waitpid(Pid::from_raw(p.pid), Some(WaitPidFlag::WNOHANG));
+                } else if !p.zombie {
+                    let _ = kill(Pid::from_raw(p.pid), Signal::SIGKILL); // ESRCH: it just exited
+                }
+            }
+            if left.iter().all(|p| p.zombie && p.ppid != me) || started.elapsed() >= REAP_TIMEOUT {
+                return;
+            }
+            std::thread::sleep(POLL);
         }
     }
 
