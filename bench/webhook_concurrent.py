@@ -1,7 +1,7 @@
 """The webhook at concurrency (issue 21): W writers at once through the API server, each with
 its own connection and its own ConfigMaps, each writing in turn a protected one (current token:
 allowed, after the webhook's fresh read of the lease), a plain one (no webhook) and a stale one
-(its lease moved on: refused, 409). The writers are benches/apiserver_writers.rs (one thread per
+(its lease moved on: refused, 403). The writers are benches/apiserver_writers.rs (one thread per
 writer, blocking HTTPS/1.1), so that Python's interpreter is not what is timed.
 
 The webhook is registered as the chart registers it, by a Service: the API server then calls it
@@ -198,7 +198,7 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
     s = {k: stats999(ms[k]) for k in KINDS}
     diff = {k: {q: s[k][q] - s["plain"][q] for q in ("p50", "p90", "p99", "p999", "mean")}
             for k in ("protected", "stale")}
-    expected = {"protected": "200", "plain": "200", "stale": "409"}
+    expected = {"protected": "200", "plain": "200", "stale": "403"}
     failed = {k: sum(n for code, n in raw["kinds"][k]["status"].items() if code != expected[k])
               for k in KINDS}
     res = {"replicas": len(mports), "writers": writers, "writes_each": writes, "rate": rate,
@@ -327,7 +327,7 @@ def main() -> None:
             "lease_read_alone_ms": reads_alone, "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
     lib.write_result(args.out, args.name, data)
     if failed:
-        raise SystemExit(f"{failed} writes were not answered as expected (200, or 409 for a stale "
+        raise SystemExit(f"{failed} writes were not answered as expected (200, or 403 for a stale "
                          f"token): see first_unexpected in {args.out}/{args.name}.json")
 
 

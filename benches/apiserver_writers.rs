@@ -2,7 +2,7 @@
 //! each on its own keep-alive HTTPS/1.1 connection to the API server, each updating ConfigMaps
 //! of its own in turn: `protected-I` (labelled, so the fencing webhook judges it; current
 //! token: allowed after the webhook's fresh read of the lease), `plain-I` (the same update, not
-//! labelled: no webhook) and `stale-I` (labelled, its lease moved on: refused, 409). Every
+//! labelled: no webhook) and `stale-I` (labelled, its lease moved on: refused, 403). Every
 //! writer starts at once (a barrier); each does `--warmup` rounds, then `--writes` measured
 //! rounds of the three, in a rotating order: back to back (closed loop, the most the API server
 //! takes), or with `--rate R` paced so that all writers together send R writes per second (a
@@ -99,7 +99,7 @@ fn parse_args() -> Result<Option<Args>, String> {
 struct Seen {
     ns: [Vec<u64>; 3],
     status: [BTreeMap<u16, u64>; 3],
-    /// The first answer other than the expected one (200; 409 for `stale`), to say why.
+    /// The first answer other than the expected one (200; 403 for `stale`), to say why.
     unexpected: [Option<String>; 3],
 }
 
@@ -163,7 +163,7 @@ fn writer(a: &Args, w: usize, cfg: &Arc<rustls::ClientConfig>, start: &Barrier) 
             if round >= a.warmup {
                 seen.ns[kind].push(took);
                 *seen.status[kind].entry(status).or_default() += 1;
-                let expected = if kind == 2 { 409 } else { 200 };
+                let expected = if kind == 2 { 403 } else { 200 };
                 if status != expected && seen.unexpected[kind].is_none() {
                     seen.unexpected[kind] = Some(body.chars().take(600).collect());
                 }

@@ -241,7 +241,7 @@ fn bench_pipeline(c: &mut Criterion) {
                             respond(&j, Some(&current), Mode::Enforce).0.into_review()
                         }
                         Parsed::Pass(r, _) => r.into_review(),
-                        Parsed::Scale(c) => c.response.into_review(),
+                        Parsed::Parent(c) => c.response.into_review(),
                         Parsed::Invalid(r) => *r,
                     };
                     serde_json::to_vec(&review).expect("serialize")

@@ -5,6 +5,15 @@ use std::fmt;
 
 use crate::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 
+/// The HTTP status and reason of every fencing refusal, from the webhook, the policy and the
+/// sidecar's API proxy alike: 403 Forbidden. Not 409 Conflict: Kubernetes clients read a
+/// conflict as "re-read the object and try again" (`kubectl scale` retries one for minutes,
+/// client-go's `RetryOnConflict` and kube-rs programs likewise), and a replaced leader must be
+/// told once to stop, not invited to retry with the same stale token.
+pub const REFUSAL_CODE: u16 = 403;
+/// See [`REFUSAL_CODE`].
+pub const REFUSAL_REASON: &str = "Forbidden";
+
 /// Why a token string is not a token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenError {
@@ -282,6 +291,8 @@ pub struct Exemptions {
 /// user, and the ServiceAccounts its controllers use with --use-service-account-credentials.
 pub const DEFAULT_EXEMPT_USERS: &[&str] = &[
     "system:kube-controller-manager",
+    // Binds pods to nodes (pods/binding): a protected pod is bound by the scheduler alone.
+    "system:kube-scheduler",
     "system:serviceaccount:kube-system:deployment-controller",
     "system:serviceaccount:kube-system:statefulset-controller",
     "system:serviceaccount:kube-system:replicaset-controller",
@@ -301,6 +312,24 @@ pub enum ExemptionError {
     BroadGroup(String),
     #[error("exempt user {0:?} is a ServiceAccount outside kube-system, which a workload could run as; only kube-system's controllers can be exempt")]
     WorkloadServiceAccount(String),
+    #[error("exempt {0} {1:?} is {2}: its writes would pass unfenced; remove it and name Kubernetes' own controllers instead")]
+    Unsafe(&'static str, String, &'static str),
+}
+
+/// Why an identity may never be exempt, if it is one of those: requests without credentials,
+/// and the kubelets' identities (whoever runs a pod with a node's credentials could write as it).
+fn unsafe_identity(kind: &str, name: &str) -> Option<&'static str> {
+    match (kind, name) {
+        ("user", "system:anonymous") => Some("the user of every request without credentials"),
+        ("user", n) if n.starts_with("system:node:") => {
+            Some("a kubelet's identity, which anyone holding that node's credentials can use")
+        }
+        ("group", "system:unauthenticated") => {
+            Some("the group of every request without credentials")
+        }
+        ("group", "system:nodes") => Some("the group of every kubelet"),
+        _ => None,
+    }
 }
 
 impl ExemptionError {
@@ -311,12 +340,16 @@ impl ExemptionError {
 
 impl Exemptions {
     /// Checks that no workload's identity can qualify: exact names, no group that holds
-    /// ServiceAccounts or all users, no ServiceAccount outside kube-system.
+    /// ServiceAccounts or all users, no ServiceAccount outside kube-system, no anonymous or
+    /// node identity.
     pub fn new(users: Vec<String>, groups: Vec<String>) -> Result<Exemptions, ExemptionError> {
         let exact = |n: &String| !n.is_empty() && !n.contains('*') && n.trim() == n;
         for u in &users {
             if !exact(u) {
                 return Err(ExemptionError::NotExact(u.clone()));
+            }
+            if let Some(why) = unsafe_identity("user", u) {
+                return Err(ExemptionError::Unsafe("user", u.clone(), why));
             }
             if let Some(rest) = u.strip_prefix("system:serviceaccount:") {
                 if !rest.starts_with("kube-system:") {
@@ -327,6 +360,9 @@ impl Exemptions {
         for g in &groups {
             if !exact(g) {
                 return Err(ExemptionError::NotExact(g.clone()));
+            }
+            if let Some(why) = unsafe_identity("group", g) {
+                return Err(ExemptionError::Unsafe("group", g.clone(), why));
             }
             let broad = matches!(
                 g.as_str(),
@@ -638,6 +674,43 @@ mod tests {
                 &["system:authenticated"],
                 Some(ExemptionError::BroadGroup("system:authenticated".into())),
             ),
+            (
+                &["system:anonymous"],
+                &[],
+                Some(ExemptionError::Unsafe(
+                    "user",
+                    "system:anonymous".into(),
+                    "the user of every request without credentials",
+                )),
+            ),
+            (
+                &["system:node:node-1"],
+                &[],
+                Some(ExemptionError::Unsafe(
+                    "user",
+                    "system:node:node-1".into(),
+                    "a kubelet's identity, which anyone holding that node's credentials can use",
+                )),
+            ),
+            (
+                &[],
+                &["system:unauthenticated"],
+                Some(ExemptionError::Unsafe(
+                    "group",
+                    "system:unauthenticated".into(),
+                    "the group of every request without credentials",
+                )),
+            ),
+            (
+                &[],
+                &["system:nodes"],
+                Some(ExemptionError::Unsafe(
+                    "group",
+                    "system:nodes".into(),
+                    "the group of every kubelet",
+                )),
+            ),
+            (&["system:nodelet"], &[], None),
             (&[], &["ops-controllers"], None),
         ];
         for (u, g, want) in table {

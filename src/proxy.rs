@@ -120,8 +120,8 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let token = p.state.borrow().leading_token(Instant::now()).cloned();
     if write && token.is_none() {
         return status(
-            StatusCode::CONFLICT,
-            "Conflict",
+            StatusCode::FORBIDDEN,
+            crate::fencing::REFUSAL_REASON,
             format!(
                 "fencedlease sidecar: this pod does not lead FencedLease {}/{}; writes through the proxy are refused",
                 p.namespace, p.lease

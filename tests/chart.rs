@@ -739,7 +739,7 @@ fn the_sidecar_image_is_the_sidecar_build_or_the_operator_image() {
 #[test]
 fn wrong_values_fail_with_a_schema_error() {
     let c = chart();
-    let cases: [(&[&str], &str); 15] = [
+    let cases: [(&[&str], &str); 19] = [
         (&["--set", "replicas=two"], "/replicas"),
         (&["--set", "replicas=0"], "/replicas"),
         (
@@ -802,6 +802,26 @@ fn wrong_values_fail_with_a_schema_error() {
             &[
                 "--set-json",
                 r#"fencing.exemptGroups=["system:serviceaccounts:shop"]"#,
+            ],
+            "/fencing/exemptGroups/0",
+        ),
+        // Anonymous and node identities (the webhook refuses them too: fencing.rs).
+        (
+            &["--set-json", r#"fencing.exemptUsers=["system:anonymous"]"#],
+            "/fencing/exemptUsers/0",
+        ),
+        (
+            &["--set-json", r#"fencing.exemptUsers=["system:node:n1"]"#],
+            "/fencing/exemptUsers/0",
+        ),
+        (
+            &["--set-json", r#"fencing.exemptGroups=["system:nodes"]"#],
+            "/fencing/exemptGroups/0",
+        ),
+        (
+            &[
+                "--set-json",
+                r#"fencing.exemptGroups=["system:unauthenticated"]"#,
             ],
             "/fencing/exemptGroups/0",
         ),

@@ -135,3 +135,39 @@ async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_
     )
     .await;
 }
+
+/// Anonymous, unauthenticated and node identities are never exempt: the webhook refuses to
+/// start with one (before it loads a certificate or talks to the API server), saying which and
+/// why; the chart's schema refuses them first (tests/chart.rs).
+#[test]
+fn the_webhook_refuses_to_start_with_an_anonymous_or_node_exemption() {
+    for (flag, name, why) in [
+        ("--exempt-user", "system:anonymous", "without credentials"),
+        ("--exempt-user", "system:node:node-1", "kubelet"),
+        (
+            "--exempt-group",
+            "system:unauthenticated",
+            "without credentials",
+        ),
+        ("--exempt-group", "system:nodes", "every kubelet"),
+    ] {
+        // The ceiling only stops a hung test: a webhook that took the exemption would wait for
+        // its certificate files for good.
+        let out = std::process::Command::new("timeout")
+            .args(["30", env!("CARGO_BIN_EXE_fencedlease")])
+            .args(["webhook", "--tls-cert", "/nonexistent/tls.crt"])
+            .args([
+                "--tls-key",
+                "/nonexistent/tls.key",
+                &format!("{flag}={name}"),
+            ])
+            .output()
+            .expect("run fencedlease webhook");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag}={name} was accepted: {err}");
+        assert!(
+            err.contains(name) && err.contains(why) && err.contains("--exempt-user"),
+            "{flag}={name}: {err}"
+        );
+    }
+}

@@ -58,7 +58,7 @@ async fn hole_1_a_lagging_lease_cache_never_lets_a_replaced_holders_token_throug
     assert_refused(
         "A's write after the lease moved",
         late,
-        409,
+        403,
         &format!("stale token {}", s.a.token),
     );
     let m = s.webhook().metrics();
@@ -118,7 +118,7 @@ async fn hole_1_a_webhook_cut_off_from_the_api_server_refuses_and_turns_unready(
         serde_json::json!({"data": {"by": "a"}}),
     )
     .await;
-    assert_refused("A after the reconnect", late, 409, "stale token");
+    assert_refused("A after the reconnect", late, 403, "stale token");
 }
 
 #[tokio::test]
@@ -159,7 +159,7 @@ async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_c
     assert_refused(
         "A's old-incarnation token",
         late,
-        409,
+        403,
         "belongs to an earlier",
     );
     let stored = s.cms.get("inv").await.expect("read");
@@ -246,7 +246,7 @@ async fn concurrent_writes_share_reads_but_none_begun_after_the_lease_moved_is_a
                     "a write with token {token}, begun after its holder was replaced, was allowed"
                 ),
                 Ok(()) => allowed += 1,
-                Err((409, m)) if stale && m.contains("stale token") => stale_refused += 1,
+                Err((403, m)) if stale && m.contains("stale token") => stale_refused += 1,
                 Err(_) => {}
             }
         }

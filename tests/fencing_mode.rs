@@ -38,7 +38,7 @@ async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
         serde_json::json!({"metadata": {"annotations": {MODE: "warn"}}, "data": {"by": "a"}});
     let mut patch = warn.clone();
     let r = fenced_merge(&cms, "inv", &a, patch.take()).await;
-    assert_refused("A's write asking for warn", r, 409, "stale token");
+    assert_refused("A's write asking for warn", r, 403, "stale token");
     // Deletes are not fenced (README says so); A deletes and re-creates the object in warn mode
     // with its stale token: the create is judged in the namespace's mode, enforce.
     cms.delete("inv", &Default::default())
@@ -51,7 +51,7 @@ async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
         serde_json::json!({"metadata": meta, "data": {"by": "a"}}),
     )
     .await;
-    assert_refused("A's re-create in warn mode", r, 409, "stale token");
+    assert_refused("A's re-create in warn mode", r, 403, "stale token");
 }
 
 #[tokio::test]
@@ -88,5 +88,5 @@ async fn hole_7_a_forged_high_token_stored_in_warn_mode_does_not_lock_out_the_ho
         serde_json::json!({"data": {"by": "forger"}}),
     )
     .await;
-    assert_refused("the forged token in enforce mode", r, 409, "is ahead of");
+    assert_refused("the forged token in enforce mode", r, 403, "is ahead of");
 }

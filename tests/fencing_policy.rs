@@ -3,7 +3,7 @@
 //! FencedLease as its parameter, through the binding the controller keeps for that lease.
 //!
 //! The webhook's stories play here unchanged (`tests/common/stories.rs`): the same writes get
-//! the same verdicts and messages, refused with 403 instead of 409. Then what differs: the
+//! the same verdicts, messages and status (403 Forbidden). Then what differs: the
 //! writes policy mode does not check or does not soften (README, "Policy mode").
 //!
 //! Needs Kubernetes 1.30 or later (ValidatingAdmissionPolicy v1); on an older server every test

@@ -69,12 +69,12 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
     assert_refused(
         "deployments/status without a token",
         r,
-        409,
+        403,
         "does not present a token",
     );
     let three = serde_json::json!({"spec": {"replicas": 3}});
     let r = patched(deploys.patch_scale("web", &pp, &Patch::Merge(&three)).await).await;
-    assert_refused("deployments/scale", r, 409, SCALE_REFUSED);
+    assert_refused("deployments/scale", r, 403, SCALE_REFUSED);
     patched(
         deploys
             .patch_scale("plain", &pp, &Patch::Merge(&three))
@@ -117,11 +117,11 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
     assert_refused(
         "statefulsets/status dropping the label",
         r,
-        409,
+        403,
         "does not present a token",
     );
     let r = patched(sts.patch_scale("db", &pp, &Patch::Merge(&three)).await).await;
-    assert_refused("statefulsets/scale", r, 409, SCALE_REFUSED);
+    assert_refused("statefulsets/scale", r, 403, SCALE_REFUSED);
 
     // A custom resource: /status keeps the stored metadata, so no token can be presented there.
     let ar = ApiResource {
@@ -145,14 +145,14 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
             .await,
     )
     .await;
-    assert_refused("widgets/status", r, 409, "no token can be presented there");
+    assert_refused("widgets/status", r, 403, "no token can be presented there");
     let r = patched(
         widgets
             .patch_scale("gear", &pp, &Patch::Merge(&three))
             .await,
     )
     .await;
-    assert_refused("widgets/scale", r, 409, SCALE_REFUSED);
+    assert_refused("widgets/scale", r, 403, SCALE_REFUSED);
     // The object itself still takes fenced writes.
     fenced_merge(
         &widgets,
@@ -162,4 +162,174 @@ async fn hole_5_status_and_scale_writes_of_protected_objects_are_fenced() {
     )
     .await
     .expect("a fenced write of the widget itself");
+}
+
+/// A refusal tells a replaced leader to stop, once: `kubectl scale` of a protected Deployment
+/// without a token exits after the first refusal (with 409 Conflict it re-read and retried for
+/// minutes), and the webhook judged exactly one /scale write. The refusal is 403 Forbidden,
+/// not Conflict: client-go's `RetryOnConflict` retries exactly the errors whose reason is
+/// Conflict or whose code is 409, so it stops after one too.
+#[tokio::test]
+async fn a_refusal_stops_kubectl_scale_after_one_attempt() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "once").await;
+    let dir = scratch_dir("once");
+    let wh = Webhook::start(&client, &dir, &ns.name).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    create(&deploys, workload(protected_meta("web", "inv", &a), false))
+        .await
+        .expect("web");
+    // The ceiling only stops a hung test: kubectl's own retries of a conflict last minutes.
+    let kubeconfig = common::kubeconfig_path();
+    let out = std::process::Command::new("timeout")
+        .args(["120", "kubectl", "--kubeconfig"])
+        .arg(&kubeconfig)
+        .args(["-n", &ns.name, "scale", "deployment/web", "--replicas=3"])
+        .output()
+        .expect("run kubectl scale");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(
+        out.status.code(),
+        Some(124),
+        "kubectl scale was still retrying: {err}"
+    );
+    assert!(!out.status.success(), "kubectl scale succeeded: {err}");
+    assert!(
+        err.contains(SCALE_REFUSED) && err.contains("Forbidden"),
+        "{err}"
+    );
+    let judged = common::metric_value(
+        &wh.metrics(),
+        r#"fencedlease_webhook_admissions_total{result="denied_scale"}"#,
+    );
+    assert_eq!(judged, 1.0, "one /scale write, refused once, not retried");
+    let r = patched(deploys.get("web").await).await.expect("read web");
+    assert_eq!(r.spec.and_then(|s| s.replicas), Some(1), "not scaled");
+}
+
+async fn refused_as<T: std::fmt::Debug>(what: &str, r: kube::Result<T>, want: &str) {
+    match patched(r).await {
+        Err((403, m)) if m.contains("fencedlease") && m.contains(want) => {}
+        other => panic!("{what}: want a 403 fencedlease refusal saying {want:?}, got {other:?}"),
+    }
+}
+
+/// Issue 33, hole 5: with pods fenced, a pod's subresources that carry the pod
+/// (/ephemeralcontainers, /resize from Kubernetes 1.33) are judged like the pod (the API server
+/// keeps the stored metadata there, so no token can be presented: refused but for the exempt
+/// writers, as a custom resource's /status), and a binding
+/// (pods/binding, or the legacy bindings resource), which carries none of the pod's labels, is
+/// checked against the pod: refused when it is protected, except for the scheduler (exempt).
+#[tokio::test]
+async fn hole_5_a_protected_pod_s_subresources_and_bindings_are_fenced() {
+    use k8s_openapi::api::core::v1::{Binding, Pod};
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "hole5pods").await;
+    let dir = scratch_dir("hole5pods");
+    let opts = common::webhook::WebhookOpts {
+        fence_pods: true,
+        ..Default::default()
+    };
+    let wh = Webhook::start_with(&client, &dir, &ns.name, opts).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let pod = |name: &str| {
+        serde_json::json!({"metadata": protected_meta(name, "inv", &a), "spec": {
+            // Never scheduled: the test is about the API objects.
+            "nodeSelector": {"fencedlease.io/nowhere": "true"},
+            "containers": [{"name": "c", "image": "fencedlease-test-none:0",
+                            "resources": {"requests": {"cpu": "100m"}}}]}})
+    };
+    create(&pods, pod("p"))
+        .await
+        .expect("a fenced create of the pod");
+    let pp = PatchParams::default();
+    let debug = serde_json::json!({"spec": {"ephemeralContainers": [
+        {"name": "dbg", "image": "fencedlease-test-none:0"}]}});
+    let r = pods
+        .patch_subresource("ephemeralcontainers", "p", &pp, &Patch::Strategic(&debug))
+        .await;
+    refused_as("pods/ephemeralcontainers without a token", r, "token").await;
+    let mut stamped = debug.clone();
+    stamped["metadata"] = serde_json::json!({"annotations": stamp(&a)});
+    let r = pods
+        .patch_subresource("ephemeralcontainers", "p", &pp, &Patch::Strategic(&stamped))
+        .await;
+    // The API server keeps the stored metadata on this subresource (like a custom resource's
+    // /status): even the holder's stamp does not reach the webhook, so only exempt writers
+    // may add a debug container to a protected pod, and the message says why.
+    refused_as(
+        "the holder's stamped /ephemeralcontainers",
+        r,
+        "no token can be presented",
+    )
+    .await;
+    if common::server_minor(&client).await >= 33 {
+        let more = serde_json::json!({"spec": {"containers": [
+            {"name": "c", "resources": {"requests": {"cpu": "150m"}}}]}});
+        let r = pods
+            .patch_subresource("resize", "p", &pp, &Patch::Strategic(&more))
+            .await;
+        refused_as("pods/resize without a token", r, "token").await;
+        let mut stamped = more.clone();
+        stamped["metadata"] = serde_json::json!({"annotations": stamp(&a)});
+        let r = pods
+            .patch_subresource("resize", "p", &pp, &Patch::Strategic(&stamped))
+            .await;
+        refused_as(
+            "the holder's stamped /resize",
+            r,
+            "no token can be presented",
+        )
+        .await;
+    } else {
+        eprintln!("pods/resize: not served before Kubernetes 1.33; checked on the current release");
+    }
+    let binding = |name: &str| -> Binding {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name},
+            "target": {"kind": "Node", "name": "node-1"}}))
+        .expect("a binding")
+    };
+    let body = binding("p");
+    let r = pods
+        .create_subresource::<Binding, kube::core::Status>(
+            "binding",
+            "p",
+            &Default::default(),
+            &body,
+        )
+        .await;
+    refused_as("pods/binding by anyone but the scheduler", r, "/binding").await;
+    create(&pods, pod("q")).await.expect("a second pod");
+    let legacy: Api<Binding> = Api::namespaced(client.clone(), &ns.name);
+    let r = legacy.create(&Default::default(), &binding("q")).await;
+    refused_as(
+        "a Binding through the legacy bindings resource",
+        r,
+        "/binding",
+    )
+    .await;
+    let m = wh.metrics();
+    let denied = r#"fencedlease_webhook_admissions_total{result="denied_binding"}"#;
+    assert_eq!(common::metric_value(&m, denied), 2.0, "{m}");
+    // The scheduler binds a protected pod (exempt, its writes need no token).
+    let scheduler: Api<Pod> =
+        Api::namespaced(common::client_as("system:kube-scheduler").await, &ns.name);
+    scheduler
+        .create_subresource::<Binding, kube::core::Status>(
+            "binding",
+            "p",
+            &Default::default(),
+            &body,
+        )
+        .await
+        .expect("the scheduler binds the pod");
+    let bound = pods.get("p").await.expect("the pod");
+    assert_eq!(
+        bound.spec.and_then(|s| s.node_name).as_deref(),
+        Some("node-1")
+    );
 }

@@ -143,7 +143,7 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
                     "a write to a ConfigMap labelled {LEASE_LABEL} without a token was allowed: the \
                      fencing webhook was not called"
                 ),
-                Err(kube::Error::Api(s)) if s.code == 409 && s.message.contains("fencedlease:") => {
+                Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("fencedlease:") => {
                     Ok(s.message)
                 }
                 Err(e) => Err(e.to_string()),
@@ -166,7 +166,7 @@ async fn helm_install_runs_the_operator_serves_both_webhooks_and_uninstall_remov
         .expect("running fencedlease kubectl check");
     let report = String::from_utf8_lossy(&check.stdout);
     let fence = format!(
-        "✓ the fence answers: a dry-run write of a protected ConfigMap without a token in namespace {} was refused (409)",
+        "✓ the fence answers: a dry-run write of a protected ConfigMap without a token in namespace {} was refused (403)",
         ns.name
     );
     assert!(

@@ -118,7 +118,7 @@ async fn a_frozen_leader_is_replaced_and_its_stale_write_is_refused_after_it_tha
     {
         Ok(_) => panic!("the thawed leader's write with its old token {old_token} was accepted"),
         Err(kube::Error::Api(s)) => {
-            assert_eq!(s.code, 409, "refusal: {s:?}");
+            assert_eq!(s.code, 403, "refusal: {s:?}");
             assert!(
                 s.message.contains(&format!("stale token {old_token}")),
                 "refusal: {}",

@@ -148,7 +148,7 @@ async fn the_inventory_story_a_paused_holder_cannot_double_book() {
         refused.contains(&format!("token {tok_b}")) && refused.contains("worker-b"),
         "{refused}"
     );
-    assert!(refused.contains("code 409"), "{refused}");
+    assert!(refused.contains("code 403"), "{refused}");
 
     let fin = cms.get("inventory").await.expect("read");
     let data = fin.data.unwrap_or_default();
@@ -631,7 +631,7 @@ async fn bad_input_gets_a_denial_or_a_4xx_and_never_a_crash() {
 }
 
 /// The stories shared with policy mode (`tests/common/stories.rs`), played by the webhook: the
-/// same verdicts and messages as `tests/fencing_policy.rs` gets from the API server, with 409.
+/// same verdicts, messages and status (403) as `tests/fencing_policy.rs` gets from the API server.
 #[tokio::test]
 async fn shared_story_a_replaced_holder_is_refused() {
     let p = common::fencing::Protected::new("wstale", false).await;

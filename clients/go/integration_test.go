@@ -306,7 +306,7 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	cm := func(name, v string) string {
 		return fmt.Sprintf(`{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":%q,"labels":{%q:%q}},"data":{"v":%q}}`, name, LeaseLabel, e.lease, v)
 	}
-	a := e.mustWrite(t, "an unstamped create", e.kube, "POST", e.cmPath(""), "application/json", cm("inv", "0"), 409)
+	a := e.mustWrite(t, "an unstamped create", e.kube, "POST", e.cmPath(""), "application/json", cm("inv", "0"), 403)
 	if !strings.Contains(a.message(), "fencedlease") {
 		t.Fatalf("refused, but not by the webhook: %s", a.raw)
 	}
@@ -356,7 +356,7 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	})
 	runsOf[1-li].wait(t, "the new leader's Run to start", 5*time.Second, func(s []Token, _ []error) bool { return len(s) == 1 && s[0] == tok2 })
 	stale := e.fenced(TokenSourceFunc(func(context.Context) (Token, error) { return tok, nil }))
-	a = e.mustWrite(t, "a write stamped with the old token", stale, "PATCH", e.cmPath("inv"), "application/merge-patch+json", `{"data":{"v":"stale"}}`, 409)
+	a = e.mustWrite(t, "a write stamped with the old token", stale, "PATCH", e.cmPath("inv"), "application/merge-patch+json", `{"data":{"v":"stale"}}`, 403)
 	if !strings.Contains(a.message(), "stale token "+tok.String()) {
 		t.Fatalf("refused, but not as stale: %s", a.raw)
 	}
@@ -384,7 +384,7 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	})
 	runsOf[li].wait(t, "Run to start again on the survivor", 5*time.Second, func(s []Token, _ []error) bool { return len(s) == 2 && s[1] == tok3 })
 	stale2 := e.fenced(TokenSourceFunc(func(context.Context) (Token, error) { return tok2, nil }))
-	a = e.mustWrite(t, "a write with the dead leader's token", stale2, "PATCH", e.cmPath("inv"), "application/merge-patch+json", `{"data":{"v":"dead"}}`, 409)
+	a = e.mustWrite(t, "a write with the dead leader's token", stale2, "PATCH", e.cmPath("inv"), "application/merge-patch+json", `{"data":{"v":"dead"}}`, 403)
 	if !strings.Contains(a.message(), "stale token "+tok2.String()) {
 		t.Fatalf("refused, but not as stale: %s", a.raw)
 	}

@@ -11,7 +11,10 @@ use crate::api::{
     KEY_PREFIX, LEASE_LABEL, LEASE_UID_ANNOTATION, MODE_ANNOTATION, TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
 };
-use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt};
+use crate::fencing::{
+    decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt, REFUSAL_CODE,
+    REFUSAL_REASON,
+};
 
 /// The largest request body read; an AdmissionReview for an update carries two objects of at
 /// most 1.5 MiB each (etcd's default request limit), plus envelope.
@@ -24,8 +27,9 @@ pub enum Parsed {
     Pass(Box<AdmissionResponse>, &'static str),
     /// A protected write: look up the lease and decide.
     Judge(Box<Judgement>),
-    /// A write through /scale: allowed only if the object it scales is not protected.
-    Scale(Box<ScaleCheck>),
+    /// A write through /scale, or a pod's binding: allowed only if the object it acts on is
+    /// not protected.
+    Parent(Box<ParentCheck>),
     /// Unreadable or impossible: answer with this refusing review.
     Invalid(Box<AdmissionReview<DynamicObject>>),
 }
@@ -79,30 +83,80 @@ impl Judgement {
     }
 }
 
-/// A write through a /scale subresource. A Scale object carries no labels and no annotations,
-/// so no token can be presented: the webhook reads the scaled object and refuses if it is
-/// protected.
+/// The writes that act on an object through another object that carries no labels or
+/// annotations of its own, so no token can be presented with them: the webhook reads the object
+/// they act on (the parent) and refuses if it is protected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// An update of `/scale` (a Scale object) of any fenced type: changes the replicas.
+    Scale,
+    /// A pod's binding to a node (`pods/binding`, or a Binding created through the legacy
+    /// `bindings` resource): only the scheduler, exempt, binds a protected pod.
+    Binding,
+}
+
+impl Via {
+    /// The subresource as the message names it.
+    pub fn path(self) -> &'static str {
+        match self {
+            Via::Scale => "scale",
+            Via::Binding => "binding",
+        }
+    }
+
+    /// The metric label of a refusal.
+    pub fn denied_label(self) -> &'static str {
+        match self {
+            Via::Scale => "denied_scale",
+            Via::Binding => "denied_binding",
+        }
+    }
+
+    /// Which write, if any, acts on a parent: `resource` and `sub` as the review names them.
+    pub fn of(group: &str, resource: &str, sub: Option<&str>, op: &Operation) -> Option<Via> {
+        match (group, resource, sub, op) {
+            (_, _, Some("scale"), Operation::Update) => Some(Via::Scale),
+            ("", "pods", Some("binding"), Operation::Create) => Some(Via::Binding),
+            ("", "bindings", None, Operation::Create) => Some(Via::Binding),
+            _ => None,
+        }
+    }
+}
+
+/// A write through a /scale subresource or a binding (see [`Via`]).
 #[derive(Debug)]
-pub struct ScaleCheck {
+pub struct ParentCheck {
     pub response: AdmissionResponse,
+    pub via: Via,
     pub namespace: String,
     pub name: String,
     pub group: String,
     pub version: String,
+    /// The parent's resource (`pods` for a binding).
     pub resource: String,
 }
 
-impl ScaleCheck {
+impl ParentCheck {
     /// The refusal for a protected object.
     pub fn refuse(&self, lease: &str) -> AdmissionResponse {
+        let (path, what) = (self.via.path(), self.what_to_do());
         let msg = format!(
-            "fencedlease: {}/{} {}/{} is protected by FencedLease {}/{lease} (label {LEASE_LABEL}); a write through /scale cannot carry a fencing token, so it is refused; change the replicas with a fenced write of the object itself ({TOKEN_ANNOTATION}, {LEASE_UID_ANNOTATION} and a new {WRITE_ID_ANNOTATION})",
-            self.resource, "scale", self.namespace, self.name, self.namespace
+            "fencedlease: {}/{path} {}/{} is protected by FencedLease {}/{lease} (label {LEASE_LABEL}); a write through /{path} cannot carry a fencing token, so it is refused; {what}",
+            self.resource, self.namespace, self.name, self.namespace
         );
         let mut resp = self.response.clone();
         resp.allowed = false;
-        resp.result = Status::failure(&msg, "Conflict").with_code(409);
+        resp.result = Status::failure(&msg, REFUSAL_REASON).with_code(REFUSAL_CODE);
         resp
+    }
+}
+
+impl ParentCheck {
+    fn what_to_do(&self) -> String {
+        match self.via {
+            Via::Scale => format!("change the replicas with a fenced write of the object itself ({TOKEN_ANNOTATION}, {LEASE_UID_ANNOTATION} and a new {WRITE_ID_ANNOTATION})"),
+            Via::Binding => "only the scheduler (an exempt writer) binds a protected pod; set spec.nodeName in a fenced create of the pod instead".into(),
+        }
     }
 }
 
@@ -266,30 +320,41 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
     }
     let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
     let sub = req.sub_resource.clone().filter(|s| !s.is_empty());
-    if sub.as_deref() == Some("scale") {
+    if let Some(via) = Via::of(
+        &req.resource.group,
+        &req.resource.resource,
+        sub.as_deref(),
+        &req.operation,
+    ) {
         return if writer_exempt {
             pass("exempt")
         } else {
-            scale_check(req, response)
+            parent_check(req, via, response)
         };
     }
     parse_write(req, sub, response, writer_exempt)
 }
 
-fn scale_check(req: RequestIn, response: AdmissionResponse) -> Parsed {
+fn parent_check(req: RequestIn, via: Via, response: AdmissionResponse) -> Parsed {
     let (Some(namespace), Some(name)) = (
         req.namespace.filter(|n| !n.is_empty()),
         req.name.filter(|n| !n.is_empty()),
     ) else {
         return Parsed::Pass(Box::new(response), "cluster_scoped");
     };
-    Parsed::Scale(Box::new(ScaleCheck {
+    // A binding acts on the pod of the same name (the legacy `bindings` resource too).
+    let resource = match via {
+        Via::Binding => "pods".to_string(),
+        Via::Scale => req.resource.resource,
+    };
+    Parsed::Parent(Box::new(ParentCheck {
         response,
+        via,
         namespace,
         name,
         group: req.resource.group,
         version: req.resource.version,
-        resource: req.resource.resource,
+        resource,
     }))
 }
 
@@ -371,7 +436,7 @@ pub fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'s
         }
         Mode::Enforce => {
             resp.allowed = false;
-            resp.result = Status::failure(&msg, "Conflict").with_code(409);
+            resp.result = Status::failure(&msg, REFUSAL_REASON).with_code(REFUSAL_CODE);
             (resp, r.metric_label())
         }
     }
@@ -435,8 +500,11 @@ mod tests {
     }
 
     fn exemptions() -> Exemptions {
-        Exemptions::new(vec!["system:serviceaccount:kube-system:gc".into()], vec![])
-            .expect("exemptions")
+        let users = [
+            "system:serviceaccount:kube-system:gc",
+            "system:kube-scheduler",
+        ];
+        Exemptions::new(users.map(String::from).to_vec(), vec![]).expect("exemptions")
     }
 
     fn parsed(body: &[u8]) -> Parsed {
@@ -557,14 +625,14 @@ mod tests {
             scale.clone(),
             Some(scale.clone()),
         )) {
-            Parsed::Scale(c) => {
+            Parsed::Parent(c) => {
                 assert_eq!(
                     (c.name.as_str(), c.resource.as_str()),
                     ("inventory", "configmaps")
                 );
                 let r = c.refuse("inv");
                 assert!(
-                    !r.allowed && r.result.code == 409 && r.result.message.contains("/scale"),
+                    !r.allowed && r.result.code == 403 && r.result.message.contains("/scale"),
                     "{:?}",
                     r.result
                 );
@@ -577,7 +645,63 @@ mod tests {
     }
 
     #[test]
-    fn refusals_are_409_with_the_message_and_warn_mode_allows_with_a_warning() {
+    fn the_writes_that_act_on_a_parent_are_named_by_one_table() {
+        let (c, u) = (Operation::Create, Operation::Update);
+        #[rustfmt::skip]
+        let table = [
+            ("apps", "deployments", Some("scale"), &u, Some(Via::Scale)),
+            ("", "replicationcontrollers", Some("scale"), &u, Some(Via::Scale)),
+            ("", "pods", Some("binding"), &c, Some(Via::Binding)),
+            ("", "bindings", None, &c, Some(Via::Binding)),
+            // A pod's other subresources carry the pod itself: judged like the pod.
+            ("", "pods", Some("ephemeralcontainers"), &u, None),
+            ("", "pods", Some("resize"), &u, None),
+            ("", "pods", Some("status"), &u, None),
+            ("", "pods", None, &c, None),
+            ("example.com", "bindings", None, &c, None),
+        ];
+        for (group, resource, sub, op, want) in table {
+            assert_eq!(
+                Via::of(group, resource, sub, op),
+                want,
+                "{group}/{resource} {sub:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_binding_is_checked_against_its_pod_and_the_scheduler_passes() {
+        let binding = |sub: Option<&str>, resource: &str, user: &str| {
+            let mut v: serde_json::Value = serde_json::from_slice(&review_as(
+                "CREATE",
+                sub,
+                user,
+                serde_json::json!({"apiVersion": "v1", "kind": "Binding",
+                    "metadata": {"name": "inventory", "namespace": "shop"},
+                    "target": {"kind": "Node", "name": "n1"}}),
+                None,
+            ))
+            .expect("json");
+            v["request"]["resource"]["resource"] = resource.into();
+            serde_json::to_vec(&v).expect("json")
+        };
+        for (sub, resource) in [(Some("binding"), "pods"), (None, "bindings")] {
+            match parsed(&binding(sub, resource, "alice")) {
+                Parsed::Parent(c) => {
+                    assert_eq!((c.via, c.resource.as_str()), (Via::Binding, "pods"));
+                    let r = c.refuse("inv");
+                    assert!(r.result.message.contains("/binding"), "{:?}", r.result);
+                    assert!(r.result.message.contains("scheduler"), "{:?}", r.result);
+                }
+                other => panic!("{resource} {sub:?}: expected a parent check, got {other:?}"),
+            }
+            let b = binding(sub, resource, "system:kube-scheduler");
+            assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
+        }
+    }
+
+    #[test]
+    fn refusals_are_403_with_the_message_and_warn_mode_allows_with_a_warning() {
         let j = judge(&review("CREATE", stamped("3", "w"), None));
         let lease = LeaseView {
             uid: "u".into(),
@@ -586,7 +710,11 @@ mod tests {
         };
         let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
         assert!(!resp.allowed);
-        assert_eq!(resp.result.code, 409);
+        assert_eq!(
+            resp.result.code, 403,
+            "Forbidden, which clients do not retry"
+        );
+        assert_eq!(resp.result.reason, "Forbidden");
         assert_eq!(label, "denied_stale");
         assert!(
             resp.result.message.contains("stale token 3"),

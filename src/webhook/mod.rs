@@ -47,7 +47,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
 use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
-use admission::{Judgement, Parsed, ScaleCheck};
+use admission::{Judgement, ParentCheck, Parsed};
 use coalesce::Coalescer;
 use tls::{CertFiles, ReloadingCert};
 
@@ -260,7 +260,7 @@ impl WebhookMetrics {
         };
         r.register(
             "fencedlease_webhook_admissions",
-            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_not_presented, denied_future, denied_free, denied_no_lease, denied_scale, warned, passed, exempt, invalid, error",
+            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_not_presented, denied_future, denied_free, denied_no_lease, denied_scale, denied_binding, warned, passed, exempt, invalid, error",
             m.admissions.clone(),
         );
         r.register(
@@ -532,8 +532,8 @@ impl Shared {
         admission::refuse(j, r, mode)
     }
 
-    /// A /scale write: refused when the scaled object carries the lease label.
-    async fn scale(&self, c: &ScaleCheck) -> (AdmissionResponse, &'static str) {
+    /// A /scale write or a binding: refused when the object it acts on carries the lease label.
+    async fn scale(&self, c: &ParentCheck) -> (AdmissionResponse, &'static str) {
         self.metrics.fresh_reads.inc();
         let api_version = if c.group.is_empty() {
             c.version.clone()
@@ -555,7 +555,7 @@ impl Shared {
                 .and_then(|o| o.metadata.labels.as_ref())
                 .and_then(|l| l.get(crate::api::LEASE_LABEL).filter(|v| !v.is_empty()))
             {
-                Some(lease) => (c.refuse(lease), "denied_scale"),
+                Some(lease) => (c.refuse(lease), c.via.denied_label()),
                 None => (c.response.clone(), "passed"),
             },
             Err(detail) => {
@@ -611,10 +611,10 @@ impl Shared {
                 let label = if why == "exempt" { "exempt" } else { "passed" };
                 (resp.into_review(), label)
             }
-            Parsed::Scale(c) => {
+            Parsed::Parent(c) => {
                 let (resp, label) = self.scale(&c).await;
                 if !resp.allowed {
-                    info!(ns = %c.namespace, name = %c.name, resource = %c.resource, result = label, "refused a write through /scale");
+                    info!(ns = %c.namespace, name = %c.name, resource = %c.resource, via = c.via.path(), result = label, "refused a write through a subresource");
                 }
                 (resp.into_review(), label)
             }

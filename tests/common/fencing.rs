@@ -138,7 +138,7 @@ pub fn assert_refused<K: Debug>(what: &str, r: Result<K, Refused>, code: u16, wa
 
 /// Who judges the protected writes of a test.
 pub enum Guard {
-    /// The test's own `fencedlease webhook` (refusals are 409).
+    /// The test's own `fencedlease webhook` (refusals are 403, as the policy's).
     Webhook(Webhook),
     /// The chart's ValidatingAdmissionPolicy with the controller's bindings, no webhook
     /// (refusals are 403).
@@ -224,13 +224,9 @@ impl Protected {
         matches!(self.wh, Guard::Policy(_))
     }
 
-    /// The HTTP status of a fencing refusal under this guard.
+    /// The HTTP status of a fencing refusal under this guard: the same in both modes.
     pub fn code(&self) -> u16 {
-        if self.policy_mode() {
-            403
-        } else {
-            409
-        }
+        fencedlease::fencing::REFUSAL_CODE
     }
 
     /// Waits until writes labelled for `lease` are judged (at once with the webhook; in policy

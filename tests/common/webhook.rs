@@ -98,6 +98,9 @@ pub struct WebhookOpts {
     pub kubeconfig: Option<PathBuf>,
     /// More command-line flags, e.g. `--exempt-user`.
     pub extra_args: Vec<String>,
+    /// Also fence pods, as the chart does when `fencing.resources` names them: labelled pods
+    /// and their subresources that carry the pod, and every pod binding.
+    pub fence_pods: bool,
 }
 
 impl Webhook {
@@ -152,7 +155,7 @@ impl Webhook {
             config_name,
         };
         wh.wait_ready().await;
-        wh.register(client, ns, &bundle).await;
+        wh.register(client, ns, &bundle, opts.fence_pods).await;
         wh
     }
 
@@ -210,7 +213,35 @@ impl Webhook {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    async fn register(&self, client: &Client, ns: &str, bundle: &str) {
+    async fn register(&self, client: &Client, ns: &str, bundle: &str, fence_pods: bool) {
+        let mut judged = serde_json::json!([
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+             "resources": ["configmaps", "configmaps/status"], "scope": "Namespaced"},
+            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+             "resources": ["deployments", "deployments/status", "statefulsets", "statefulsets/status"],
+             "scope": "Namespaced"},
+            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+             "resources": ["widgets", "widgets/status"], "scope": "Namespaced"}
+        ]);
+        let mut parents = serde_json::json!([
+            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["UPDATE"],
+             "resources": ["deployments/scale", "statefulsets/scale"], "scope": "Namespaced"},
+            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["UPDATE"],
+             "resources": ["widgets/scale"], "scope": "Namespaced"}
+        ]);
+        // The chart's rules for pods (fencedlease.judgedSubresources, and the bindings).
+        if fence_pods {
+            judged.as_array_mut().expect("rules").push(
+                serde_json::json!({"apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "scope": "Namespaced",
+                "resources": ["pods", "pods/status", "pods/ephemeralcontainers", "pods/resize"]}),
+            );
+            parents.as_array_mut().expect("rules").push(
+                serde_json::json!({"apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["CREATE"], "scope": "Namespaced",
+                "resources": ["pods/binding", "bindings"]}),
+            );
+        }
         let cfg: ValidatingWebhookConfiguration = serde_json::from_value(serde_json::json!({
             "metadata": {"name": self.config_name},
             "webhooks": [{
@@ -222,15 +253,7 @@ impl Webhook {
                 "clientConfig": {"url": format!("https://127.0.0.1:{}/validate", self.port), "caBundle": bundle},
                 "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
                 "objectSelector": {"matchExpressions": [{"key": "fencedlease.io/lease", "operator": "Exists"}]},
-                "rules": [
-                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                     "resources": ["configmaps", "configmaps/status"], "scope": "Namespaced"},
-                    {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                     "resources": ["deployments", "deployments/status", "statefulsets", "statefulsets/status"],
-                     "scope": "Namespaced"},
-                    {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                     "resources": ["widgets", "widgets/status"], "scope": "Namespaced"}
-                ]
+                "rules": judged
             }, {
                 // As the chart does: /scale carries no labels, so no objectSelector.
                 "name": "scale.fencing.fencedlease.io",
@@ -240,12 +263,7 @@ impl Webhook {
                 "timeoutSeconds": 5,
                 "clientConfig": {"url": format!("https://127.0.0.1:{}/validate", self.port), "caBundle": bundle},
                 "namespaceSelector": {"matchLabels": {"fencedlease.io/test-ns": ns}},
-                "rules": [
-                    {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["UPDATE"],
-                     "resources": ["deployments/scale", "statefulsets/scale"], "scope": "Namespaced"},
-                    {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["UPDATE"],
-                     "resources": ["widgets/scale"], "scope": "Namespaced"}
-                ]
+                "rules": parents
             }]
         }))
         .expect("webhook configuration literal");

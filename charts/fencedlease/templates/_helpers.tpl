@@ -121,6 +121,29 @@ it keeps. A DNS label (no dots): the controller refuses other names. */}}
 {{- printf "%s-fencing" (include "fencedlease.fullname" .) | replace "." "-" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- /*
+The subresources of one fencing.resources entry that carry the object itself, judged like it:
+/status, and for pods /ephemeralcontainers and /resize (a pod's own metadata comes with them).
+The one table of protected subresources: these, and those judged by reading the object they act
+on (webhook's second configuration: /scale, and a pod's binding). src/webhook/admission.rs `Via`
+names the second kind; the webhook's and the policy's rules both render from here.
+*/ -}}
+{{- define "fencedlease.judgedSubresources" -}}
+{{- $subs := list (printf "%s/status" .resource) }}
+{{- if and (eq .group "") (or (eq .resource "pods") (eq .resource "*")) }}
+{{- $subs = concat $subs (list "pods/ephemeralcontainers" "pods/resize") }}
+{{- end }}
+{{- toJson $subs }}
+{{- end }}
+
+{{- /* Whether pods are fenced (some fencing.resources entry names them): their bindings are
+checked then. */ -}}
+{{- define "fencedlease.fencesPods" -}}
+{{- range .Values.fencing.resources }}
+{{- if and (eq .group "") (or (eq .resource "pods") (eq .resource "*")) }}true{{ end }}
+{{- end }}
+{{- end }}
+
 {{/* Whether the fencing webhook judges writes (fencing.mode webhook or both). */}}
 {{- define "fencedlease.fencingWebhook" -}}
 {{- if ne .Values.fencing.mode "policy" -}}true{{- end -}}
