@@ -12,6 +12,7 @@
 
 use std::os::fd::{BorrowedFd, RawFd};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag};
@@ -40,17 +41,8 @@ pub fn keeper_args(fd: RawFd, command: &[String]) -> Vec<String> {
     args
 }
 
-/// The exit code that tells campaign how the command ended: its own code, or 128 plus the
-/// signal that ended it (as shells report it).
-pub fn exit_code_of(status: std::process::ExitStatus) -> u8 {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => u8::try_from(code).unwrap_or(1),
-        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
-        (None, None) => 1,
-    }
-}
-
+/// The exit code tells campaign how the command ended: its own code, or 128 plus the signal
+/// that ended it (as shells report it).
 extern "C" fn ignore(_: nix::libc::c_int) {}
 
 /// Survives the SIGTERM (and SIGINT, SIGHUP) campaign sends the whole tree: a handler, not
@@ -79,20 +71,57 @@ pub fn run(args: KeepArgs) -> anyhow::Result<ExitCode> {
         .context("keep: making this process a child subreaper failed")?;
     outlive_polite_signals()?;
     let (program, rest) = args.command.split_first().context("keep: no command")?;
-    let mut child = std::process::Command::new(program)
+    let child = std::process::Command::new(program)
         .args(rest)
         .spawn()
         .with_context(|| format!("starting {program:?}"))?;
+    let command = i32::try_from(child.id()).context("keep: the command's pid")?;
     let fd = args.watch_fd;
     std::thread::Builder::new()
         .name("campaign-watch".into())
         .spawn(move || {
             wait_for_end_of_file(fd);
+            // Held until the process ends: the main thread cannot exit under the kill.
+            let _ending = ENDING.lock();
+            DYING.store(true, Ordering::SeqCst);
             kill_everything();
         })
         .context("keep: starting the watch thread")?;
-    let status = child.wait().context("keep: waiting for the command")?;
-    Ok(ExitCode::from(exit_code_of(status)))
+    let code = reap_until_the_command_exits(command);
+    // Campaign is gone: the watch thread ends the process once the whole tree is dead; this
+    // thread only reaps meanwhile, so that no second exit races it.
+    while DYING.load(Ordering::SeqCst) {
+        reap_until_the_command_exits(-1);
+        std::thread::park_timeout(std::time::Duration::from_millis(10));
+    }
+    // Blocks for good if the watch thread began the kill meanwhile (it holds the lock).
+    let _ending = ENDING.lock();
+    Ok(ExitCode::from(code))
+}
+
+/// Set by the watch thread when campaign is gone; from then on it alone ends the process.
+static DYING: AtomicBool = AtomicBool::new(false);
+/// Whoever holds it ends the process: the watch thread (the kill) or the main thread (the
+/// command's own exit), never both.
+static ENDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Reaps every child (the keeper is a subreaper: the command's orphans are its children too)
+/// until the command, `command`, has exited; returns its exit code. With no command left to
+/// wait for (-1), reaps what is there and returns.
+fn reap_until_the_command_exits(command: i32) -> u8 {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    loop {
+        match waitpid(None, None) {
+            Ok(WaitStatus::Exited(pid, code)) if pid.as_raw() == command => {
+                return u8::try_from(code).unwrap_or(1)
+            }
+            Ok(WaitStatus::Signaled(pid, sig, _)) if pid.as_raw() == command => {
+                return u8::try_from(128 + sig as i32).unwrap_or(1)
+            }
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return 1, // no child left (ECHILD): nothing more to wait for
+        }
+    }
 }
 
 /// Blocks until the pipe's write end (campaign's) is closed.
@@ -119,19 +148,9 @@ fn kill_everything() -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::process::ExitStatusExt;
 
     #[test]
-    fn the_exit_code_passes_the_command_s_code_or_its_signal() {
-        let table = [
-            (std::process::ExitStatus::from_raw(0), 0),
-            (std::process::ExitStatus::from_raw(3 << 8), 3),
-            (std::process::ExitStatus::from_raw(9), 137),
-            (std::process::ExitStatus::from_raw(15), 143),
-        ];
-        for (status, want) in table {
-            assert_eq!(exit_code_of(status), want, "{status:?}");
-        }
+    fn the_keeper_is_given_the_pipe_and_the_command() {
         assert_eq!(
             keeper_args(5, &["sh".into(), "-c".into(), "x".into()]),
             ["keep", "--watch-fd", "5", "--", "sh", "-c", "x"]

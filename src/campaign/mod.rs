@@ -658,21 +658,18 @@ mod tree {
     }
 
     /// For the keeper: SIGKILLs every descendant of this process, again and again (a process
-    /// may fork between the scan and the signal), reaping them, until none is left or
-    /// `REAP_TIMEOUT` has passed.
+    /// may fork between the scan and the signal), until only zombies are left (the keeper's
+    /// main thread reaps them) or `REAP_TIMEOUT` has passed. A zombie is signalled too: a
+    /// process whose main thread exited shows as one while its other threads run.
     pub fn kill_all_descendants() {
         let me = getpid().as_raw();
         let started = std::time::Instant::now();
         loop {
             let left = descendants(&proc_table(), me, None);
             for p in &left {
-                if p.zombie && p.ppid == me {
-                    let _ = waitpid(Pid::from_raw(p.pid), Some(WaitPidFlag::WNOHANG));
-                } else if !p.zombie {
-                    let _ = kill(Pid::from_raw(p.pid), Signal::SIGKILL); // ESRCH: it just exited
-                }
+                let _ = kill(Pid::from_raw(p.pid), Signal::SIGKILL); // ESRCH: it just exited
             }
-            if left.iter().all(|p| p.zombie && p.ppid != me) || started.elapsed() >= REAP_TIMEOUT {
+            if left.iter().all(|p| p.zombie) || started.elapsed() >= REAP_TIMEOUT {
                 return;
             }
             std::thread::sleep(POLL);
