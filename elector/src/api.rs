@@ -320,6 +320,15 @@ impl FencedLease {
             .map(String::as_str)
     }
 
+    /// Frees the lease in this copy: no holder, and no incarnation beside it (so that a later
+    /// writer that names a holder without an incarnation never inherits the previous one's).
+    pub fn clear_holder(&mut self) {
+        self.spec.holder_identity = None;
+        if let Some(a) = self.metadata.annotations.as_mut() {
+            a.remove(INCARNATION_ANNOTATION);
+        }
+    }
+
     /// The current holder, treating an empty string as none.
     pub fn holder(&self) -> Option<&str> {
         self.spec

@@ -614,7 +614,7 @@ impl Elector {
     /// Clears a holder field that names us although we hold no tenure.
     async fn clear_stale_self(&mut self, lease: FencedLease, timing: Timing) {
         let mut desired = lease;
-        desired.spec.holder_identity = None;
+        desired.clear_holder();
         match timeout(
             timing.lease_duration,
             self.api
@@ -724,7 +724,7 @@ impl Elector {
                 return; // not ours any more (another process's, perhaps): nothing to release
             }
             let mut desired = lease;
-            desired.spec.holder_identity = None;
+            desired.clear_holder();
             let left = deadline.saturating_duration_since(Instant::now());
             match timeout(
                 left,
@@ -900,10 +900,15 @@ mod sequences {
     fn holder(server: &Arc<Server>) -> (Elector, ElectorHandle, FencedLease) {
         let (mut e, h) =
             Elector::new(client(server.clone()), ElectorConfig::new(NS, NAME, ME)).unwrap();
-        e.origin = Instant::now() - Duration::from_secs(100);
+        // (Not before the machine's boot: a fresh VM may be younger than 100 s.)
+        e.origin = Instant::now()
+            .checked_sub(Duration::from_secs(100))
+            .unwrap_or(e.origin);
         let held = lease(3, &e.incarnation.clone(), "10");
         let timing = Timing::for_lease_seconds(10);
-        let sent = e.mono(Instant::now()) - Duration::from_secs(4);
+        let sent = e
+            .mono(Instant::now())
+            .saturating_sub(Duration::from_secs(4));
         let tenure = Tenure::acquired(3, sent, timing).renewed(sent, timing);
         e.saw(Some(held.clone()));
         e.tenure = Some((tenure, "u1".into()));
@@ -964,6 +969,25 @@ mod sequences {
             server.requests(),
             Vec::<String>::new(),
             "no write clears it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_release_leaves_no_incarnation_behind() {
+        let server = Arc::new(Server::default());
+        let (mut a, _handle, _) = holder(&server);
+        a.release("shutdown").await;
+        let freed = server
+            .lease
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("the release's write");
+        assert_eq!(freed.holder(), None);
+        assert_eq!(
+            freed.holder_incarnation(),
+            None,
+            "a later holder inherits none"
         );
     }
 

@@ -27,7 +27,7 @@ pub async fn revoke(
     lease: &FencedLease,
 ) -> Result<Revocation, kube::Error> {
     let mut desired = lease.clone();
-    desired.spec.holder_identity = None;
+    desired.clear_holder();
     match api
         .replace(&lease.name_any(), &PostParams::default(), &desired)
         .await
