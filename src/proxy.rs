@@ -23,6 +23,40 @@ use crate::lease::rules::FencingToken;
 /// The largest request body the proxy reads to add the token.
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
+/// Request header pinning a write to the tenure it was decided under: the token (a canonical
+/// decimal). The proxy stamps the current token on every write, so without a pin a request
+/// decided under token N, delayed while the pod lost the lease and got it back under N+k,
+/// would go out under N+k; with the pin it is refused. (Stripped before forwarding.)
+pub const PIN_HEADER: &str = "fencedlease-token";
+/// With [`PIN_HEADER`]: the lease UID the pinned token belongs to (optional).
+pub const PIN_UID_HEADER: &str = "fencedlease-lease-uid";
+
+/// Checks a write's pin (the values of [`PIN_HEADER`] and [`PIN_UID_HEADER`], if sent)
+/// against the tenure the pod leads in now: a write with no pin passes; one pinned to another
+/// tenure, or with a malformed pin, is refused with the reason.
+pub fn check_pin(
+    token: Option<&str>,
+    uid: Option<&str>,
+    current: &FencingToken,
+) -> Result<(), String> {
+    let Some(token) = token else {
+        return match uid {
+            Some(_) => Err(format!("{PIN_UID_HEADER} needs {PIN_HEADER} beside it")),
+            None => Ok(()),
+        };
+    };
+    let pinned = crate::fencing::parse_token(token)
+        .map_err(|e| format!("{PIN_HEADER} {token:?} is not a token: {e}"))?;
+    let same_uid = uid.is_none_or(|u| u == current.lease_uid);
+    if pinned == current.generation && same_uid {
+        return Ok(());
+    }
+    Err(format!(
+        "this write was decided under token {pinned}{}, and the pod now leads with token {current}: the tenure it was decided in is over; re-read what the write was based on and decide again under the current token",
+        uid.map(|u| format!(" (lease uid {u})")).unwrap_or_default()
+    ))
+}
+
 struct Proxy {
     client: kube::Client,
     state: watch::Receiver<LeaderState>,
@@ -118,15 +152,21 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let write = !matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
     let token = p.state.borrow().leading_token(Instant::now()).cloned();
-    if write && token.is_none() {
-        return status(
-            StatusCode::FORBIDDEN,
-            crate::fencing::REFUSAL_REASON,
-            format!(
-                "fencedlease sidecar: this pod does not lead FencedLease {}/{}; writes through the proxy are refused",
-                p.namespace, p.lease
-            ),
-        );
+    if write {
+        let lease = format!("FencedLease {}/{}", p.namespace, p.lease);
+        let refusal = match &token {
+            None => Some(format!("this pod does not lead {lease}")),
+            Some(current) => pin_of(&parts.headers, current)
+                .err()
+                .map(|why| format!("{lease}: {why}")),
+        };
+        if let Some(why) = refusal {
+            return status(
+                StatusCode::FORBIDDEN,
+                crate::fencing::REFUSAL_REASON,
+                format!("fencedlease sidecar: {why}; writes through the proxy are refused"),
+            );
+        }
     }
     let body = match upstream_body(&parts, body, token.as_ref()).await {
         Ok(b) => b,
@@ -153,6 +193,12 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             format!("fencedlease sidecar: the API server could not be reached: {e}"),
         ),
     }
+}
+
+/// [`check_pin`] on a request's headers.
+fn pin_of(headers: &axum::http::HeaderMap, current: &FencingToken) -> Result<(), String> {
+    let value = |name: &str| headers.get(name).map(|v| v.to_str().unwrap_or("\u{fffd}"));
+    check_pin(value(PIN_HEADER), value(PIN_UID_HEADER), current)
 }
 
 /// Reads the request body (at most [`MAX_BODY_BYTES`]) and stamps `token` on it when the
@@ -216,7 +262,13 @@ fn upstream_request(
         // identity (the pod's ServiceAccount) is used upstream.
         if matches!(
             k.as_str(),
-            "authorization" | "host" | "content-length" | "connection" | "transfer-encoding"
+            "authorization"
+                | "host"
+                | "content-length"
+                | "connection"
+                | "transfer-encoding"
+                | PIN_HEADER
+                | PIN_UID_HEADER
         ) {
             continue;
         }
@@ -243,6 +295,35 @@ pub fn router(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pinned_write_goes_out_only_in_the_tenure_it_was_decided_in() {
+        let now = FencingToken {
+            lease_uid: "u1".into(),
+            generation: 9,
+        };
+        /// (fencedlease-token, fencedlease-lease-uid, what the proxy does).
+        type Case<'a> = (Option<&'a str>, Option<&'a str>, Result<(), &'a str>);
+        #[rustfmt::skip]
+        let table: [Case; 8] = [
+            (None, None, Ok(())),
+            (Some("9"), None, Ok(())),
+            (Some("9"), Some("u1"), Ok(())),
+            (Some("6"), None, Err("decided under token 6")),
+            (Some("9"), Some("u0"), Err("lease uid u0")),
+            (Some("10"), None, Err("decided under token 10")),
+            (Some("09"), None, Err("is not a token")),
+            (None, Some("u1"), Err("needs fencedlease-token")),
+        ];
+        for (token, uid, want) in table {
+            let got = check_pin(token, uid, &now);
+            match (&got, want) {
+                (Ok(()), Ok(())) => {}
+                (Err(m), Err(w)) if m.contains(w) => {}
+                _ => panic!("{token:?} {uid:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
 
     #[test]
     fn which_bodies_get_the_token() {

@@ -614,3 +614,107 @@ async fn the_probe_port_serves_metrics_without_the_token_and_renewals_move_their
         "no renewal in 2.5 s of a 2 s lease:\n{later}"
     );
 }
+
+/// Issue 33, hole 2, the hand-back story: pod A leads and its app decides a write under token
+/// T1 (pinning it with the `fencedlease-token` header), then stalls; B leads and writes; A leads
+/// again under T3. The stalled write, sent only now through A's proxy, must not go out under
+/// T3: the proxy refuses it, saying which tenure it was decided in. A write decided under T3
+/// lands.
+#[tokio::test]
+async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_back() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "handback").await;
+    let dir = scratch_dir("handback");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let proxy_addr = format!("127.0.0.1:{}", free_port());
+    let a = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-a",
+        &["--proxy-listen", &proxy_addr],
+    );
+    let (_, first) = the_leader(&[&a]).await;
+    let t1 = first["token"].as_i64().expect("token");
+    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
+            "annotations": {"fencedlease.io/token": t1.to_string(),
+                            "fencedlease.io/lease-uid": first["leaseUID"]}},
+        "data": {"v": "a1"}
+    }))
+    .expect("literal");
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .expect("create");
+    let write = |pin: Option<i64>, value: &str| {
+        let url = format!(
+            "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
+            ns.name
+        );
+        let body = format!("{{\"data\":{{\"v\":\"{value}\"}}}}");
+        let pin = pin.map(|t| format!("fencedlease-token: {t}"));
+        let mut args = vec![
+            "-X",
+            "PATCH",
+            "-H",
+            "Content-Type: application/merge-patch+json",
+        ];
+        if let Some(p) = &pin {
+            args.extend(["-H", p.as_str()]);
+        }
+        args.extend(["--data", body.as_str(), url.as_str()]);
+        curl(&args)
+    };
+    let stored = || async {
+        let c = cms.get("inventory").await.expect("get");
+        c.data.and_then(|d| d.get("v").cloned()).unwrap_or_default()
+    };
+    // A's app decided "a-stale" under T1 and stalls. A hands the lease to B.
+    let b = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-b",
+        &["--proxy-listen", &format!("127.0.0.1:{}", free_port())],
+    );
+    let (code, _) = curl(&["-X", "POST", &format!("{}/v1/release", a.url)]);
+    assert_eq!(code, 202);
+    let on_b = eventually(Duration::from_secs(10), "pod-b to lead", || async {
+        b.status().filter(|s| s["leading"] == true)
+    })
+    .await;
+    let fenced_b = json!({"metadata": {"annotations": {
+        "fencedlease.io/token": on_b["token"].as_i64().expect("token").to_string(),
+        "fencedlease.io/lease-uid": on_b["leaseUID"],
+        "fencedlease.io/write-id": common::new_write_id()}}, "data": {"v": "b"}});
+    cms.patch(
+        "inventory",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&fenced_b),
+    )
+    .await
+    .expect("B's fenced write");
+    // B hands it back: A leads again, with a larger token.
+    let (code, _) = curl(&["-X", "POST", &format!("{}/v1/release", b.url)]);
+    assert_eq!(code, 202);
+    let again = eventually(Duration::from_secs(20), "pod-a to lead again", || async {
+        a.status().filter(|s| s["leading"] == true)
+    })
+    .await;
+    let t3 = again["token"].as_i64().expect("token");
+    assert!(t3 > t1 + 1, "{t3} after {t1}");
+    // The stalled write goes out only now, pinned to T1: refused by the proxy.
+    let (code, body) = write(Some(t1), "a-stale");
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(&format!("decided under token {t1}")),
+        "{body}"
+    );
+    assert_eq!(stored().await, "b", "B's work stands");
+    // A write decided in the current tenure lands.
+    let (code, body) = write(Some(t3), "a3");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(stored().await, "a3");
+}
