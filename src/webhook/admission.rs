@@ -318,8 +318,9 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
     if !matches!(req.operation, Operation::Create | Operation::Update) {
         return pass("not_a_write");
     }
-    let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
     let sub = req.sub_resource.clone().filter(|s| !s.is_empty());
+    let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups)
+        || kubelet_pod_status(&req, sub.as_deref());
     if let Some(via) = Via::of(
         &req.resource.group,
         &req.resource.resource,
@@ -333,6 +334,16 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
         };
     }
     parse_write(req, sub, response, writer_exempt)
+}
+
+/// A kubelet's status update of a pod (a node identity may never be exempt in general, but
+/// the kubelet must report the pods it runs; NodeRestriction limits it to its own node's). Like
+/// an exempt writer's, it passes only while it leaves the fencing label and annotations alone.
+fn kubelet_pod_status(req: &RequestIn, sub: Option<&str>) -> bool {
+    req.resource.group.is_empty()
+        && req.resource.resource == "pods"
+        && sub == Some("status")
+        && req.user_info.username.starts_with("system:node:")
 }
 
 fn parent_check(req: RequestIn, via: Via, response: AdmissionResponse) -> Parsed {
@@ -667,6 +678,41 @@ mod tests {
                 "{group}/{resource} {sub:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_kubelet_reports_a_protected_pod_s_status_but_writes_nothing_else_unfenced() {
+        let pod = |annotations| {
+            let mut v = cm(serde_json::json!({LEASE_LABEL: "inv"}), annotations);
+            v["kind"] = "Pod".into();
+            v
+        };
+        let as_pod = |sub: Option<&str>, user: &str, new: serde_json::Value| {
+            let old = pod(serde_json::json!({TOKEN_ANNOTATION: "3", WRITE_ID_ANNOTATION: "w"}));
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&review_as("UPDATE", sub, user, new, Some(old)))
+                    .expect("json");
+            v["request"]["resource"]["resource"] = "pods".into();
+            serde_json::to_vec(&v).expect("json")
+        };
+        let same = pod(serde_json::json!({TOKEN_ANNOTATION: "3", WRITE_ID_ANNOTATION: "w"}));
+        let node = "system:node:node-1";
+        assert!(matches!(
+            parsed(&as_pod(Some("status"), node, same.clone())),
+            Parsed::Pass(_, "exempt")
+        ));
+        // Not the pod itself, nor the status of anything else, nor a change of the fencing.
+        assert!(matches!(
+            parsed(&as_pod(None, node, same.clone())),
+            Parsed::Judge(_)
+        ));
+        let restamped = pod(serde_json::json!({TOKEN_ANNOTATION: "9", WRITE_ID_ANNOTATION: "x"}));
+        assert!(matches!(
+            parsed(&as_pod(Some("status"), node, restamped)),
+            Parsed::Judge(_)
+        ));
+        let cm_status = review_as("UPDATE", Some("status"), node, same.clone(), Some(same));
+        assert!(matches!(parsed(&cm_status), Parsed::Judge(_)));
     }
 
     #[test]
