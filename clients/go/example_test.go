@@ -73,7 +73,7 @@ func ExampleTransport() {
 		log.Fatal(err)
 	}
 	defer resp.Body.Close()
-	log.Print(resp.Status) // 409 if leadership moved before the webhook judged the write
+	log.Print(resp.Status) // 403 if leadership moved before the webhook judged the write
 }
 
 func ExampleRunnable() {
