@@ -33,12 +33,15 @@ fn attempt<'a>(token: Option<&'a str>, previous: Option<&'a str>) -> WriteAttemp
             token,
             lease_uid: Some(UID),
             write_id: Some("w2"),
+            delete_intent: None,
         },
         previous: previous.map(|p| Stamp {
             token: Some(p),
             lease_uid: Some(UID),
             write_id: Some("w1"),
+            delete_intent: None,
         }),
+        deleting: false,
     }
 }
 

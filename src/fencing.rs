@@ -3,7 +3,10 @@
 
 use std::fmt;
 
-use crate::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
+use crate::api::{
+    DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
+    WRITE_ID_ANNOTATION,
+};
 
 /// The HTTP status and reason of every fencing refusal, from the webhook, the policy and the
 /// sidecar's API proxy alike: 403 Forbidden. Not 409 Conflict: Kubernetes clients read a
@@ -97,6 +100,9 @@ pub struct Stamp<'a> {
     /// not stamp (kubectl label, a code path that forgets) cannot pass with the token an
     /// earlier write left on the object.
     pub write_id: Option<&'a str>,
+    /// The `fencedlease.io/delete-intent` annotation: the write id of the write that announced
+    /// a delete (see [`WriteAttempt::deleting`]).
+    pub delete_intent: Option<&'a str>,
 }
 
 /// A write to judge.
@@ -109,6 +115,10 @@ pub struct WriteAttempt<'a> {
     /// On update, the stamp of the stored object. A token counts as presented by this write
     /// only if the write also sets a write id other than this one.
     pub previous: Option<Stamp<'a>>,
+    /// A delete: `stamp` is then the stored object's, and the delete lands only if the last
+    /// write announced it (its delete intent is its own write id) under the current token. A
+    /// delete carries no object of its own, so the holder announces it first in a fenced update.
+    pub deleting: bool,
 }
 
 /// Why a write is refused. Each has its own message and metric label.
@@ -119,6 +129,8 @@ pub enum Refusal {
     MalformedToken(TokenError),
     /// An update whose write id is absent or the stored one: its token was inherited.
     NotPresented,
+    /// A delete the object's last write did not announce.
+    DeleteNotAnnounced,
     NoLease,
     LeaseFree {
         current: i64,
@@ -145,6 +157,7 @@ impl Refusal {
             Refusal::MissingToken | Refusal::MissingLeaseUid => "denied_missing",
             Refusal::MalformedToken(_) => "denied_malformed",
             Refusal::NotPresented => "denied_not_presented",
+            Refusal::DeleteNotAnnounced => "denied_unannounced_delete",
             Refusal::NoLease => "denied_no_lease",
             Refusal::LeaseFree { .. } => "denied_free",
             Refusal::OtherLeaseIncarnation { .. } | Refusal::Stale { .. } => "denied_stale",
@@ -188,6 +201,16 @@ impl Refusal {
                     _ => "absent".to_string(),
                 }
             ),
+            Refusal::DeleteNotAnnounced => format!(
+                "fencedlease: this object is protected by {lease}, and its last write did not announce a delete: annotation {DELETE_INTENT_ANNOTATION} is {}; the holder deletes in two steps under its current token: a fenced update that sets {DELETE_INTENT_ANNOTATION} to that same update's new {WRITE_ID_ANNOTATION} (with {TOKEN_ANNOTATION} and {LEASE_UID_ANNOTATION}), then the delete (the sidecar's API proxy and the fencedlease clients do both)",
+                match w.stamp.delete_intent.filter(|i| !i.is_empty()) {
+                    None => "absent".to_string(),
+                    Some(i) => format!(
+                        "{i:?}, not the last write's id {:?}",
+                        w.stamp.write_id.unwrap_or("")
+                    ),
+                }
+            ),
             Refusal::NoLease => format!(
                 "fencedlease: this object is protected by {lease}, which does not exist; create it (or fix label {LEASE_LABEL}: it names a lease in the object's own namespace)"
             ),
@@ -220,6 +243,13 @@ pub enum Verdict {
 /// Checks what the write itself must carry, before any lease is consulted.
 fn check_presented<'a>(w: &WriteAttempt<'a>) -> Result<(i64, &'a str), Refusal> {
     use Refusal::*;
+    // A delete's stamp is the stored object's: first, whether its last write announced it.
+    if w.deleting {
+        match (w.stamp.delete_intent, w.stamp.write_id) {
+            (Some(intent), Some(id)) if !id.is_empty() && intent == id => {}
+            _ => return Err(DeleteNotAnnounced),
+        }
+    }
     let raw = w.stamp.token.ok_or(MissingToken)?;
     let presented = parse_token(raw).map_err(MalformedToken)?;
     let uid = w
@@ -237,7 +267,8 @@ fn check_presented<'a>(w: &WriteAttempt<'a>) -> Result<(i64, &'a str), Refusal> 
 }
 
 /// The fencing rule. `lease` is None when the lease does not exist (as far as the caller
-/// knows). A write is allowed only if it presents, itself, the current generation of the
+/// knows). A delete is judged on the stamp of the stored object, which must announce it (see
+/// [`WriteAttempt::deleting`]). A write is allowed only if it presents, itself, the current generation of the
 /// lease's current incarnation while someone holds it. Given a view of the lease read after
 /// the write arrived, that also means the write's token is at least every token the lease
 /// ever handed out, so no object can be moved back to an older holder's token; tokens that
@@ -301,6 +332,10 @@ pub const DEFAULT_EXEMPT_USERS: &[&str] = &[
     "system:serviceaccount:kube-system:cronjob-controller",
     "system:serviceaccount:kube-system:generic-garbage-collector",
     "system:serviceaccount:kube-system:horizontal-pod-autoscaler",
+    // Deleters: a deleted Namespace's contents, finished Jobs' and dead nodes' pods.
+    "system:serviceaccount:kube-system:namespace-controller",
+    "system:serviceaccount:kube-system:ttl-after-finished-controller",
+    "system:serviceaccount:kube-system:pod-garbage-collector",
 ];
 
 /// Why an exemption is refused.
@@ -398,6 +433,7 @@ mod tests {
             token,
             lease_uid: uid,
             write_id: id,
+            delete_intent: None,
         }
     }
     fn attempt<'a>(token: Option<&'a str>, uid: Option<&'a str>) -> WriteAttempt<'a> {
@@ -406,6 +442,7 @@ mod tests {
             namespace: "shop",
             stamp: stamp(token, uid, None),
             previous: None,
+            deleting: false,
         }
     }
     fn update<'a>(new: Stamp<'a>, old: Stamp<'a>) -> WriteAttempt<'a> {
@@ -414,6 +451,7 @@ mod tests {
             namespace: "shop",
             stamp: new,
             previous: Some(old),
+            deleting: false,
         }
     }
 
@@ -548,6 +586,55 @@ mod tests {
             ),
             Verdict::Allow
         );
+    }
+
+    #[test]
+    fn a_delete_lands_only_as_announced_by_the_last_write_under_the_current_token() {
+        use Refusal::*;
+        // The stored object: (token, write id, delete intent); the lease is at 5, held.
+        let stored = |token: Option<&'static str>, id, intent| Stamp {
+            delete_intent: intent,
+            ..stamp(token, Some("u1"), id)
+        };
+        let deleting = |s: Stamp<'static>| WriteAttempt {
+            lease_name: "inventory",
+            namespace: "shop",
+            stamp: s,
+            previous: None,
+            deleting: true,
+        };
+        #[rustfmt::skip]
+        let table: [(Stamp<'static>, Option<Refusal>); 8] = [
+            // The holder announced it under the current token: the delete lands.
+            (stored(Some("5"), Some("w9"), Some("w9")), None),
+            // Never announced, or announced by an earlier write that a later one (the new
+            // holder's) followed: the intent is not the last write's id.
+            (stored(Some("5"), Some("w9"), None), Some(DeleteNotAnnounced)),
+            (stored(Some("5"), Some("w9"), Some("w8")), Some(DeleteNotAnnounced)),
+            (stored(Some("5"), None, Some("w9")), Some(DeleteNotAnnounced)),
+            (stored(Some("5"), Some(""), Some("")), Some(DeleteNotAnnounced)),
+            // Announced by a holder that has been replaced since (the lease moved on to 5).
+            (stored(Some("4"), Some("w9"), Some("w9")),
+             Some(Stale { presented: 4, current: 5, holder: Some("b".into()) })),
+            // Written with no token at all (created while the object was not protected).
+            (stored(None, Some("w9"), Some("w9")), Some(MissingToken)),
+            (Stamp { lease_uid: None, ..stored(Some("5"), Some("w9"), Some("w9")) }, Some(MissingLeaseUid)),
+        ];
+        let cur = lease(5, Some("b"));
+        for (s, want) in table {
+            let want = want.map_or(Verdict::Allow, Verdict::Refuse);
+            assert_eq!(decide(&deleting(s), Some(&cur)), want, "{s:?}");
+        }
+        // Announced under the current token, but nobody holds the lease now: refused.
+        let s = stored(Some("5"), Some("w9"), Some("w9"));
+        assert_eq!(
+            decide(&deleting(s), Some(&lease(5, None))),
+            Verdict::Refuse(LeaseFree { current: 5 })
+        );
+        // An update is never judged on its intent.
+        let announced = stored(Some("5"), Some("w9"), Some("w1"));
+        let old = stamp(Some("5"), Some("u1"), Some("w1"));
+        assert_eq!(decide(&update(announced, old), Some(&cur)), Verdict::Allow);
     }
 
     #[test]
@@ -749,6 +836,7 @@ mod tests {
                 lease_name: "l", namespace: "n",
                 stamp: stamp(Some(&t), Some(if same_uid { "u1" } else { "u0" }), new_id.as_deref()),
                 previous: is_update.then(|| stamp(st.as_deref(), stored_uid.as_deref(), old_id.as_deref())),
+                deleting: false,
             };
             let l = lease(generation, held.then_some("h"));
             let v = decide(&w, Some(&l));

@@ -509,7 +509,24 @@ fn rendered_objects_follow_the_design() {
             "apps/statefulsets"
         ]
     );
+    // Deletes are fenced too (fencing.deletes), unless switched off.
     for r in rules {
+        assert_eq!(
+            r["operations"],
+            serde_json::json!(["CREATE", "UPDATE", "DELETE"])
+        );
+    }
+    let unfenced = documents(&helm_ok(&[
+        "template",
+        "design",
+        &c,
+        "--namespace",
+        "ops",
+        "--set",
+        "fencing.deletes=false",
+    ]));
+    let hook = &one(&unfenced, "ValidatingWebhookConfiguration")["webhooks"][0];
+    for r in hook["rules"].as_array().expect("rules") {
         assert_eq!(r["operations"], serde_json::json!(["CREATE", "UPDATE"]));
     }
 
@@ -1543,7 +1560,7 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
                     "{u} not exempt: {exempt}"
                 );
             }
-            // The same resources as the webhook's rules, with /status; CREATE and UPDATE.
+            // The same resources as the webhook's rules, with /status; CREATE, UPDATE, DELETE.
             let rules = p["spec"]["matchConstraints"]["resourceRules"]
                 .as_array()
                 .expect("rules");
@@ -1554,7 +1571,7 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             );
             assert_eq!(
                 rules[0]["operations"],
-                serde_json::json!(["CREATE", "UPDATE"])
+                serde_json::json!(["CREATE", "UPDATE", "DELETE"])
             );
         }
     }

@@ -1,14 +1,16 @@
 //! Fencing hole 4: Kubernetes' own writers are not stale leaders. kube-controller-manager's
 //! controllers (their own ServiceAccounts in kube-system, as the local cluster runs them) update
 //! a protected Deployment without a token: the revision annotation, status, the garbage
-//! collector's finalizer removal. They are exempt while they leave the fencing label and
-//! annotations alone; nobody else is.
+//! collector's finalizer removal and its deletes. They are exempt while they leave the fencing
+//! label and annotations alone; nobody else is.
 
 mod common;
 
 use std::time::Duration;
 
-use common::fencing::{create, fenced_merge, held_lease, move_lease, protected_meta};
+use common::fencing::{
+    announce_delete, create, fenced_merge, held_lease, move_lease, protected_meta,
+};
 use common::procs::scratch_dir;
 use common::webhook::Webhook;
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
@@ -114,9 +116,13 @@ async fn hole_4_a_rollout_and_a_cascading_delete_of_a_protected_deployment_work_
         "the GC's identity changed the token: {err}"
     );
 
-    // The lease moves again; a cascading delete in the foreground: the garbage collector
-    // deletes the ReplicaSets, then removes its finalizer from the protected Deployment.
-    move_lease(&client, &ns.name, "inv", "pod-c").await;
+    // The lease moves again; the holder deletes (announced, as every delete of a protected
+    // object must be) in the foreground: the garbage collector deletes the ReplicaSets, then
+    // removes its finalizer from the protected Deployment, which it then deletes.
+    let c = move_lease(&client, &ns.name, "inv", "pod-c").await;
+    announce_delete(&deploys, "web", &c)
+        .await
+        .expect("the holder announces the delete");
     deploys
         .delete("web", &DeleteParams::foreground())
         .await

@@ -4,7 +4,8 @@
 mod common;
 
 use common::fencing::{
-    assert_refused, create, fenced_merge, move_lease, protected_meta, Held, Protected,
+    assert_refused, create, delete, fenced_delete, fenced_merge, move_lease, protected_meta, Held,
+    Protected,
 };
 use common::kubectl;
 
@@ -39,11 +40,15 @@ async fn hole_6_a_stale_writer_cannot_choose_warn_mode_for_the_object() {
     let mut patch = warn.clone();
     let r = fenced_merge(&cms, "inv", &a, patch.take()).await;
     assert_refused("A's write asking for warn", r, 403, "stale token");
-    // Deletes are not fenced (README says so); A deletes and re-creates the object in warn mode
-    // with its stale token: the create is judged in the namespace's mode, enforce.
-    cms.delete("inv", &Default::default())
-        .await
-        .expect("delete");
+    // A cannot delete the object (deletes are fenced); once B has, A re-creates it in warn
+    // mode with its stale token: the create is judged in the namespace's mode, enforce.
+    assert_refused(
+        "A's delete",
+        delete(&cms, "inv").await,
+        403,
+        "did not announce",
+    );
+    fenced_delete(&cms, "inv", &b).await.expect("B deletes");
     let mut meta = protected_meta("inv", "inv", &a);
     meta["annotations"][MODE] = "warn".into();
     let r = create(

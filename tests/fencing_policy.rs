@@ -30,6 +30,12 @@ async fn policy_mode_a_replaced_holder_is_refused_by_the_api_server() {
 }
 
 #[tokio::test]
+async fn policy_mode_deletes_are_fenced() {
+    let p = Protected::with_policy("vapdelete").await;
+    common::stories::deletes_are_fenced(&p).await;
+}
+
+#[tokio::test]
 async fn policy_mode_every_bad_token_is_refused_with_its_own_message() {
     let p = Protected::with_policy("vapbad").await;
     common::stories::every_bad_token_is_refused(&p).await;

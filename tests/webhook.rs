@@ -399,12 +399,18 @@ async fn every_bad_token_is_refused_with_its_own_message() {
     )
     .await
     .expect("unprotected objects are untouched");
-    // Deletes are not fenced (see README): the API server does not even ask.
-    cms.delete("ok", &Default::default())
+    // Deletes are fenced: unannounced, refused (tests/common/stories.rs tells the rest).
+    let r = cms.delete("ok", &Default::default()).await;
+    assert!(
+        r.is_err(),
+        "an unannounced delete of a protected object: {r:?}"
+    );
+    cms.delete("plain", &Default::default())
         .await
-        .expect("delete is not fenced");
+        .expect("an unprotected object is deleted as ever");
     let m = wh.metrics();
     for label in [
+        "denied_unannounced_delete",
         "denied_future",
         "denied_missing",
         "denied_malformed",
@@ -648,4 +654,10 @@ async fn shared_story_every_bad_token_is_refused_with_its_own_message() {
 async fn shared_story_the_label_is_protected_too() {
     let p = common::fencing::Protected::new("wlabel", false).await;
     common::stories::the_label_is_protected_too(&p).await;
+}
+
+#[tokio::test]
+async fn shared_story_deletes_are_fenced() {
+    let p = common::fencing::Protected::new("wdelete", false).await;
+    common::stories::deletes_are_fenced(&p).await;
 }

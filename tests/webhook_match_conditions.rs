@@ -363,6 +363,9 @@ async fn fencing_is_not_called_for_exempt_writers_that_leave_the_fencing_alone()
             ("anyone else's update", None, patch(5), false),
             ("an exempt user's /scale write", user, scale(6), conditions),
             ("anyone else's /scale write", None, scale(7), false),
+            // fencing.deletes: an exempt deleter (the garbage collector, say) is not sent.
+            ("an exempt user's delete", user, "delete cm inventory --dry-run=server".into(), conditions),
+            ("anyone else's delete", None, "delete cm inventory --dry-run=server".into(), false),
         ];
         cases
     };

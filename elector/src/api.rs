@@ -35,6 +35,11 @@ pub const LEASE_UID_ANNOTATION: &str = key!("lease-uid");
 /// Annotation carrying a value new on every write (a UUID, say): the proof that the write
 /// presented its token itself rather than inheriting the stored one.
 pub const WRITE_ID_ANNOTATION: &str = key!("write-id");
+/// Annotation announcing a delete of a protected object: a fenced update sets it to that same
+/// update's [`WRITE_ID_ANNOTATION`], then the delete follows. A protected object is deleted only
+/// while its last write announced the delete under the lease's current token, so a replaced
+/// holder can neither announce a delete nor carry out one it announced before it was replaced.
+pub const DELETE_INTENT_ANNOTATION: &str = key!("delete-intent");
 /// Annotation on a FencedLease naming the process that holds it: written by the elector with
 /// every acquisition, beside `spec.holderIdentity`. A tenure belongs to one process, so a
 /// second process of the same identity (a StatefulSet pod re-created under its name) never

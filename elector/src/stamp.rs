@@ -13,7 +13,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::lease::rules::FencingToken;
 
-pub use crate::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
+pub use crate::api::{
+    DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
+    WRITE_ID_ANNOTATION,
+};
 
 /// Stamps `meta` for a write under `token`: sets the [`LEASE_LABEL`] to `lease` and the token,
 /// lease UID and write id annotations, leaving every other label and annotation as it was.
@@ -40,6 +43,30 @@ pub fn stamp(meta: &mut ObjectMeta, lease: &str, token: &FencingToken, write_id:
     annotations.insert(TOKEN_ANNOTATION.to_string(), token.generation.to_string());
     annotations.insert(LEASE_UID_ANNOTATION.to_string(), token.lease_uid.clone());
     annotations.insert(WRITE_ID_ANNOTATION.to_string(), write_id.to_string());
+}
+
+/// Stamps `meta` like [`stamp`] and announces a delete: [`DELETE_INTENT_ANNOTATION`] set to
+/// `write_id`. A protected object is deleted in two steps, both under the current token: send
+/// the object (or a merge patch of just these annotations) stamped by this function as an
+/// update, then delete it. The webhook lets the delete through only while the stored object's
+/// last write announced it and that write's token is still the lease's.
+///
+/// ```
+/// use fencedlease_elector::{stamp::announce_delete, FencingToken};
+/// use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+///
+/// let token = FencingToken { lease_uid: "0b6f-e1".into(), generation: 6 };
+/// let mut meta = ObjectMeta::default();
+/// announce_delete(&mut meta, "inventory", &token, "6-4711-2");
+/// let annotations = meta.annotations.unwrap_or_default();
+/// assert_eq!(annotations["fencedlease.io/delete-intent"], "6-4711-2");
+/// assert_eq!(annotations["fencedlease.io/write-id"], "6-4711-2");
+/// ```
+pub fn announce_delete(meta: &mut ObjectMeta, lease: &str, token: &FencingToken, write_id: &str) {
+    stamp(meta, lease, token, write_id);
+    meta.annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(DELETE_INTENT_ANNOTATION.to_string(), write_id.to_string());
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use kube::core::{DynamicObject, Status, TypeMeta};
 use serde::Deserialize;
 
 use crate::api::{
-    KEY_PREFIX, LEASE_LABEL, LEASE_UID_ANNOTATION, MODE_ANNOTATION, TOKEN_ANNOTATION,
-    WRITE_ID_ANNOTATION,
+    DELETE_INTENT_ANNOTATION, KEY_PREFIX, LEASE_LABEL, LEASE_UID_ANNOTATION, MODE_ANNOTATION,
+    TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
 use crate::fencing::{
     decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt, REFUSAL_CODE,
@@ -23,7 +23,7 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// What the webhook must decide about one request.
 #[derive(Debug)]
 pub enum Parsed {
-    /// Not ours to judge (delete, connect, an unlabelled object, an exempt writer): allow.
+    /// Not ours to judge (connect, an unlabelled object, an exempt writer): allow.
     Pass(Box<AdmissionResponse>, &'static str),
     /// A protected write: look up the lease and decide.
     Judge(Box<Judgement>),
@@ -40,6 +40,7 @@ pub struct OwnedStamp {
     pub token: Option<String>,
     pub lease_uid: Option<String>,
     pub write_id: Option<String>,
+    pub delete_intent: Option<String>,
 }
 
 impl OwnedStamp {
@@ -49,6 +50,7 @@ impl OwnedStamp {
             token: a(TOKEN_ANNOTATION),
             lease_uid: a(LEASE_UID_ANNOTATION),
             write_id: a(WRITE_ID_ANNOTATION),
+            delete_intent: a(DELETE_INTENT_ANNOTATION),
         }
     }
 
@@ -57,6 +59,7 @@ impl OwnedStamp {
             token: self.token.as_deref(),
             lease_uid: self.lease_uid.as_deref(),
             write_id: self.write_id.as_deref(),
+            delete_intent: self.delete_intent.as_deref(),
         }
     }
 }
@@ -70,6 +73,8 @@ pub struct Judgement {
     pub previous: Option<OwnedStamp>,
     /// The subresource written, if any (`status`): named in refusals.
     pub subresource: Option<String>,
+    /// A delete, judged on the stored object's stamp (`previous` is then None).
+    pub deleting: bool,
 }
 
 impl Judgement {
@@ -79,6 +84,7 @@ impl Judgement {
             namespace: &self.namespace,
             stamp: self.stamp.borrow(),
             previous: self.previous.as_ref().map(OwnedStamp::borrow),
+            deleting: self.deleting,
         }
     }
 }
@@ -225,7 +231,12 @@ struct ObjectIn {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 struct MetaIn {
+    /// Set once a delete has been accepted (the object waits for finalizers or, a pod, for its
+    /// containers to stop): only whether it is there is read.
+    #[serde(default)]
+    deletion_timestamp: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     labels: Option<OurKeys>,
     #[serde(default)]
@@ -315,6 +326,10 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
         .unwrap_or_else(|| "admission.k8s.io/v1".to_string());
     let response = allowing(&api_version, &req.uid);
     let pass = |why| Parsed::Pass(Box::new(response.clone()), why);
+    if req.operation == Operation::Delete {
+        let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
+        return parse_delete(req, response, writer_exempt);
+    }
     if !matches!(req.operation, Operation::Create | Operation::Update) {
         return pass("not_a_write");
     }
@@ -406,6 +421,40 @@ fn parse_write(
         stamp: OwnedStamp::of(new),
         previous: old.map(OwnedStamp::of),
         subresource: sub,
+        deleting: false,
+        response,
+        namespace,
+    }))
+}
+
+/// A delete (one object, or each object of a deletecollection): judged on the stored object,
+/// which must announce it. Kubernetes' own deleters (the garbage collector, the namespace
+/// controller: exempt) pass, and so does every delete of an object whose deletion was already
+/// accepted (a kubelet removing a terminated pod, the last step after finalizers), since a
+/// fenced delete decided it.
+fn parse_delete(req: RequestIn, response: AdmissionResponse, writer_exempt: bool) -> Parsed {
+    let Some(old) = req.old_object.as_ref() else {
+        let msg = "fencedlease: a delete without the stored object (oldObject): cannot tell whether it is protected";
+        return Parsed::Invalid(Box::new(response.deny(msg).into_review()));
+    };
+    let Some(lease_name) = label(old, LEASE_LABEL) else {
+        return Parsed::Pass(Box::new(response), "unlabelled");
+    };
+    if writer_exempt {
+        return Parsed::Pass(Box::new(response), "exempt");
+    }
+    if old.metadata.deletion_timestamp.is_some() {
+        return Parsed::Pass(Box::new(response), "already_deleting");
+    }
+    let Some(namespace) = req.namespace.clone().filter(|n| !n.is_empty()) else {
+        return Parsed::Pass(Box::new(response), "cluster_scoped");
+    };
+    Parsed::Judge(Box::new(Judgement {
+        lease_name: lease_name.to_string(),
+        stamp: OwnedStamp::of(old),
+        previous: None,
+        subresource: None,
+        deleting: true,
         response,
         namespace,
     }))
@@ -537,19 +586,79 @@ mod tests {
     }
 
     #[test]
-    fn unlabelled_and_deletes_pass() {
+    fn unlabelled_objects_and_connects_pass() {
         let b = review(
             "CREATE",
             cm(serde_json::json!({}), serde_json::json!({})),
             None,
         );
         assert!(matches!(parsed(&b), Parsed::Pass(_, "unlabelled")));
-        let labelled = cm(
+        let b = review("CONNECT", serde_json::Value::Null, None);
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "not_a_write")));
+        let b = review(
+            "DELETE",
+            serde_json::Value::Null,
+            Some(cm(serde_json::json!({}), serde_json::json!({}))),
+        );
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "unlabelled")));
+    }
+
+    #[test]
+    fn a_protected_delete_is_judged_on_the_stored_stamp_and_kubernetes_own_deleters_pass() {
+        let announced = serde_json::json!({TOKEN_ANNOTATION: "5", LEASE_UID_ANNOTATION: "u1",
+            WRITE_ID_ANNOTATION: "w9", DELETE_INTENT_ANNOTATION: "w9"});
+        let labelled = cm(serde_json::json!({LEASE_LABEL: "inv"}), announced);
+        let b = review("DELETE", serde_json::Value::Null, Some(labelled.clone()));
+        let j = judge(&b);
+        assert!(j.deleting && j.previous.is_none(), "{j:?}");
+        assert_eq!(j.lease_name, "inv");
+        assert_eq!(j.stamp.delete_intent.as_deref(), Some("w9"));
+        let view = LeaseView {
+            uid: "u1".into(),
+            generation: 5,
+            holder: Some("b".into()),
+        };
+        assert!(respond(&j, Some(&view), Mode::Enforce).0.allowed);
+        let moved_on = LeaseView {
+            generation: 6,
+            ..view
+        };
+        let (resp, label) = respond(&j, Some(&moved_on), Mode::Enforce);
+        assert!(!resp.allowed && label == "denied_stale", "{label}");
+        // The garbage collector (exempt) deletes without an announcement.
+        let bare = cm(
             serde_json::json!({LEASE_LABEL: "inv"}),
             serde_json::json!({}),
         );
-        let b = review("DELETE", serde_json::Value::Null, Some(labelled));
-        assert!(matches!(parsed(&b), Parsed::Pass(_, "not_a_write")));
+        let b = review_as(
+            "DELETE",
+            None,
+            "system:serviceaccount:kube-system:gc",
+            serde_json::Value::Null,
+            Some(bare.clone()),
+        );
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
+        // Anyone else's is judged, and refused unannounced.
+        let b = review("DELETE", serde_json::Value::Null, Some(bare.clone()));
+        let j = judge(&b);
+        let (resp, label) = respond(&j, Some(&moved_on), Mode::Enforce);
+        assert!(
+            !resp.allowed && label == "denied_unannounced_delete",
+            "{label}"
+        );
+        let msg = resp.result.message;
+        assert!(
+            msg.contains(DELETE_INTENT_ANNOTATION) && msg.contains("absent"),
+            "{msg}"
+        );
+        // A deletion already accepted (finalizers, a terminating pod) is finished by anyone.
+        let mut terminating = bare;
+        terminating["metadata"]["deletionTimestamp"] = serde_json::json!("2026-12-04T01:00:00Z");
+        let b = review("DELETE", serde_json::Value::Null, Some(terminating));
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "already_deleting")));
+        // No stored object: nothing can tell whether it is protected; refused.
+        let b = review("DELETE", serde_json::Value::Null, None);
+        assert!(matches!(parsed(&b), Parsed::Invalid(_)));
     }
 
     #[test]

@@ -260,7 +260,7 @@ impl WebhookMetrics {
         };
         r.register(
             "fencedlease_webhook_admissions",
-            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_not_presented, denied_future, denied_free, denied_no_lease, denied_scale, denied_binding, warned, passed, exempt, invalid, error",
+            "Admission decisions: allowed, denied_stale, denied_missing, denied_malformed, denied_not_presented, denied_unannounced_delete, denied_future, denied_free, denied_no_lease, denied_scale, denied_binding, warned, passed, exempt, invalid, error",
             m.admissions.clone(),
         );
         r.register(

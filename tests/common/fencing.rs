@@ -19,6 +19,7 @@ pub const LEASE: &str = "fencedlease.io/lease";
 pub const TOKEN: &str = "fencedlease.io/token";
 pub const UID: &str = "fencedlease.io/lease-uid";
 pub const WRITE_ID: &str = "fencedlease.io/write-id";
+pub const DELETE_INTENT: &str = "fencedlease.io/delete-intent";
 
 /// A lease's token and uid as a holder knows them.
 #[derive(Clone, Debug)]
@@ -107,6 +108,46 @@ where
 {
     patch["metadata"]["annotations"] = stamp(h);
     merge(api, name, patch).await
+}
+
+/// The stamp of an update that announces a delete: the delete intent is its own write id.
+pub fn announcing(h: &Held) -> serde_json::Value {
+    let mut s = stamp(h);
+    s[DELETE_INTENT] = s[WRITE_ID].clone();
+    s
+}
+
+/// Announces a delete of `name` under `h` (a fenced merge patch); the refusal if any.
+pub async fn announce_delete<K>(api: &Api<K>, name: &str, h: &Held) -> Result<K, Refused>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    merge(
+        api,
+        name,
+        serde_json::json!({"metadata": {"annotations": announcing(h)}}),
+    )
+    .await
+}
+
+/// A delete, as it is sent (no announcement); the refusal if any.
+pub async fn delete<K>(api: &Api<K>, name: &str) -> Result<(), Refused>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    api.delete(name, &Default::default())
+        .await
+        .map(|_| ())
+        .map_err(refusal)
+}
+
+/// The holder's delete: announced under `h`, then sent.
+pub async fn fenced_delete<K>(api: &Api<K>, name: &str, h: &Held) -> Result<(), Refused>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    announce_delete(api, name, h).await?;
+    delete(api, name).await
 }
 
 /// Creates an object from JSON; the refusal if any.

@@ -305,3 +305,69 @@ pub async fn the_label_is_protected_too(p: &Protected) {
         .await
         .expect("an unlabelled object needs no token");
 }
+
+/// Deletes are fenced (issue 33, hole 3): a protected object is deleted only by the current
+/// holder, which announces the delete in a fenced update and then deletes. A replaced holder
+/// cannot announce one, cannot carry out one it announced before it was replaced, and cannot
+/// ride on an announcement that a later write followed; nobody deletes unannounced, one object
+/// or a whole collection.
+pub async fn deletes_are_fenced(p: &Protected) {
+    use super::fencing::{announce_delete, delete, fenced_delete, protected_meta};
+    let (ns, cms, a) = (&p.ns.name, &p.cms, &p.a);
+    let unannounced = "did not announce a delete";
+    assert_refused(
+        "a delete nobody announced",
+        delete(cms, "inv").await,
+        p.code(),
+        unannounced,
+    );
+    announce_delete(cms, "inv", a)
+        .await
+        .expect("the holder announces a delete");
+    let b = move_lease(&p.client, ns, "inv", "pod-b").await;
+    p.sees(&b).await;
+    let stale = format!("stale token {}", a.token);
+    assert_refused(
+        "A's delete, announced before it was replaced",
+        delete(cms, "inv").await,
+        p.code(),
+        &stale,
+    );
+    assert_refused(
+        "A announcing again",
+        announce_delete(cms, "inv", a).await,
+        p.code(),
+        &stale,
+    );
+    // B writes; A's announcement is still on the object, but no longer the last write's.
+    fenced_merge(cms, "inv", &b, json!({"data": {"by": "b"}}))
+        .await
+        .expect("B writes");
+    let r = delete(cms, "inv").await;
+    assert_refused(
+        "a delete riding on A's old announcement",
+        r.clone(),
+        p.code(),
+        unannounced,
+    );
+    let (_, msg) = r.expect_err("refused");
+    assert!(msg.contains("not the last write's id"), "{msg}");
+    // A collection delete is judged object by object: nothing protected goes unannounced.
+    let meta = protected_meta("inv-2", "inv", &b);
+    create::<ConfigMap>(cms, json!({"metadata": meta}))
+        .await
+        .expect("B creates a second object");
+    let by_lease = kube::api::ListParams::default().labels(&format!("{LEASE}=inv"));
+    let r = cms.delete_collection(&Default::default(), &by_lease).await;
+    assert!(r.is_err(), "an unannounced collection delete: {r:?}");
+    let left = cms.list(&by_lease).await.expect("list").items.len();
+    assert_eq!(left, 2, "both protected objects are still there");
+    // The holder's delete lands.
+    fenced_delete(cms, "inv", &b)
+        .await
+        .expect("B's announced delete");
+    assert!(
+        cms.get_opt("inv").await.expect("read").is_none(),
+        "inv is gone"
+    );
+}

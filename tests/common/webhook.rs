@@ -214,13 +214,14 @@ impl Webhook {
     }
 
     async fn register(&self, client: &Client, ns: &str, bundle: &str, fence_pods: bool) {
+        // As the chart does with fencing.deletes (its default): deletes are judged too.
         let mut judged = serde_json::json!([
-            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
              "resources": ["configmaps", "configmaps/status"], "scope": "Namespaced"},
-            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
              "resources": ["deployments", "deployments/status", "statefulsets", "statefulsets/status"],
              "scope": "Namespaced"},
-            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
              "resources": ["widgets", "widgets/status"], "scope": "Namespaced"}
         ]);
         let mut parents = serde_json::json!([
@@ -233,7 +234,7 @@ impl Webhook {
         if fence_pods {
             judged.as_array_mut().expect("rules").push(
                 serde_json::json!({"apiGroups": [""], "apiVersions": ["v1"],
-                "operations": ["CREATE", "UPDATE"], "scope": "Namespaced",
+                "operations": ["CREATE", "UPDATE", "DELETE"], "scope": "Namespaced",
                 "resources": ["pods", "pods/status", "pods/ephemeralcontainers", "pods/resize"]}),
             );
             parents.as_array_mut().expect("rules").push(

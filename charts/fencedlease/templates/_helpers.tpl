@@ -144,6 +144,12 @@ checked then. */ -}}
 {{- end }}
 {{- end }}
 
+{{/* The operations fenced on protected objects: CREATE and UPDATE, and DELETE unless
+fencing.deletes is false. */}}
+{{- define "fencedlease.fencedOperations" -}}
+{{- if .Values.fencing.deletes -}}["CREATE","UPDATE","DELETE"]{{- else -}}["CREATE","UPDATE"]{{- end -}}
+{{- end -}}
+
 {{/* Whether the fencing webhook judges writes (fencing.mode webhook or both). */}}
 {{- define "fencedlease.fencingWebhook" -}}
 {{- if ne .Values.fencing.mode "policy" -}}true{{- end -}}
@@ -350,7 +356,7 @@ The labels and annotations the webhooks read, as the keys in elector/src/api.rs 
 {{- define "fencedlease.leaseKey" -}}fencedlease.io/lease{{- end -}}
 {{- define "fencedlease.injectKey" -}}fencedlease.io/inject{{- end -}}
 {{- define "fencedlease.stampKeys" -}}
-{{- list "fencedlease.io/token" "fencedlease.io/lease-uid" "fencedlease.io/write-id" | toJson -}}
+{{- list "fencedlease.io/token" "fencedlease.io/lease-uid" "fencedlease.io/write-id" "fencedlease.io/delete-intent" | toJson -}}
 {{- end -}}
 
 {{/*
