@@ -1,7 +1,8 @@
 //! The sidecar's opt-in Kubernetes API proxy. An app points its Kubernetes client at it
 //! (plain HTTP on the pod's loopback) and needs to know nothing about tokens: the proxy adds
-//! the current token and lease UID to the body of every create, update and merge patch, and
-//! refuses writes itself while the pod is not leading. Reads and watches pass through. The
+//! the current token and lease UID to the body of every create, update and merge patch,
+//! announces each delete of a protected object before sending it (the two steps a fenced
+//! delete takes), and refuses writes itself while the pod is not leading. Reads and watches pass through. The
 //! fencing webhook still has the last word, so a write that races a loss of leadership is
 //! refused by the API server.
 
@@ -16,7 +17,10 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::api::{LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
+use crate::api::{
+    DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
+    WRITE_ID_ANNOTATION,
+};
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
@@ -135,6 +139,61 @@ pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
     serde_json::to_vec(&v).map_err(|e| e.to_string())
 }
 
+/// The lease a stored object (or list: none) is protected by: its [`LEASE_LABEL`].
+pub fn protected_by(object: &Value) -> Option<&str> {
+    object["metadata"]["labels"][LEASE_LABEL]
+        .as_str()
+        .filter(|l| !l.is_empty())
+}
+
+/// The merge patch that announces a delete under `token`: the stamp with a new write id, and
+/// the delete intent set to that same id.
+pub fn announcement(token: &FencingToken) -> Value {
+    let id = new_write_id(token);
+    json!({"metadata": {"annotations": {
+        TOKEN_ANNOTATION: token.generation.to_string(),
+        LEASE_UID_ANNOTATION: token.lease_uid,
+        WRITE_ID_ANNOTATION: id,
+        DELETE_INTENT_ANNOTATION: id,
+    }}})
+}
+
+/// Before a delete: reads the object at `path` and, if it is protected, announces the delete
+/// in a fenced merge patch. A path that names a collection (a deletecollection) or an object
+/// that cannot be read is left to the delete itself (the API server answers it; the webhook
+/// refuses a protected object's unannounced delete). The refusal of the announcement, if any,
+/// is the answer.
+async fn announce_delete(p: &Proxy, path: &str, token: &FencingToken) -> Result<(), Response> {
+    let get = axum::http::Request::get(format!("{path}?limit=1")).body(Vec::new());
+    let Ok(get) = get else { return Ok(()) };
+    let Ok(stored) = p.client.request::<Value>(get).await else {
+        return Ok(());
+    };
+    if protected_by(&stored).is_none() {
+        return Ok(());
+    }
+    let patch = axum::http::Request::patch(path)
+        .header(header::CONTENT_TYPE, "application/merge-patch+json")
+        .body(announcement(token).to_string().into_bytes());
+    let Ok(patch) = patch else { return Ok(()) };
+    match p.client.request::<Value>(patch).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) => Err(status(
+            StatusCode::from_u16(e.code).unwrap_or(StatusCode::BAD_GATEWAY),
+            &e.reason,
+            format!(
+                "fencedlease sidecar: announcing the delete was refused: {}",
+                e.message
+            ),
+        )),
+        Err(e) => Err(status(
+            StatusCode::BAD_GATEWAY,
+            "ServiceUnavailable",
+            format!("fencedlease sidecar: announcing the delete failed: {e}; retry the delete"),
+        )),
+    }
+}
+
 fn status(code: StatusCode, reason: &str, message: String) -> Response {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},
@@ -166,6 +225,11 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
                 crate::fencing::REFUSAL_REASON,
                 format!("fencedlease sidecar: {why}; writes through the proxy are refused"),
             );
+        }
+    }
+    if let (&Method::DELETE, Some(t)) = (&parts.method, &token) {
+        if let Err(refusal) = announce_delete(&p, parts.uri.path(), t).await {
+            return refusal;
         }
     }
     let body = match upstream_body(&parts, body, token.as_ref()).await {
@@ -323,6 +387,36 @@ mod tests {
                 _ => panic!("{token:?} {uid:?}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_delete_is_announced_only_for_protected_objects_with_the_write_id_as_intent() {
+        let t = FencingToken {
+            lease_uid: "u1".into(),
+            generation: 9,
+        };
+        let protected = json!({"kind": "ConfigMap", "metadata": {"labels": {LEASE_LABEL: "db"}}});
+        assert_eq!(protected_by(&protected), Some("db"));
+        for other in [
+            json!({"kind": "ConfigMapList", "metadata": {}, "items": [protected.clone()]}),
+            json!({"metadata": {"labels": {LEASE_LABEL: ""}}}),
+            json!({"metadata": {"labels": {"app": "db"}}}),
+            json!([]),
+        ] {
+            assert_eq!(protected_by(&other), None, "{other}");
+        }
+        let a = &announcement(&t)["metadata"]["annotations"];
+        assert_eq!(a[TOKEN_ANNOTATION], "9");
+        assert_eq!(a[LEASE_UID_ANNOTATION], "u1");
+        assert!(a[WRITE_ID_ANNOTATION]
+            .as_str()
+            .is_some_and(|id| id.starts_with("9-")));
+        assert_eq!(a[DELETE_INTENT_ANNOTATION], a[WRITE_ID_ANNOTATION]);
+        let b = &announcement(&t)["metadata"]["annotations"];
+        assert_ne!(
+            a[WRITE_ID_ANNOTATION], b[WRITE_ID_ANNOTATION],
+            "a new id each time"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::procs::{now_ns, scratch_dir};
 use common::sidecars::{curl, sidecar, Sidecar};
 use common::webhook::{free_port, Webhook};
-use common::{client, ensure_crd, eventually, TestNamespace};
+use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, PostParams};
@@ -521,6 +521,64 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Deletes are fenced, and the proxy takes the two steps for the app: `kubectl delete` of a
+/// protected object through the leading pod's proxy announces the delete under the pod's token
+/// and then deletes; the same delete sent straight to the API server is refused.
+#[tokio::test]
+async fn the_api_proxy_announces_a_protected_delete_for_the_app() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "proxydel").await;
+    let dir = scratch_dir("proxydel");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let proxy_addr = format!("127.0.0.1:{}", free_port());
+    let a = sidecar(
+        &dir,
+        &ns.name,
+        "db",
+        "pod-a",
+        &["--proxy-listen", &proxy_addr],
+    );
+    let (_, st) = the_leader(&[&a]).await;
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    for name in ["inventory", "orders"] {
+        let cm = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"fencedlease.io/lease": "db"},
+                "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
+                                "fencedlease.io/lease-uid": st["leaseUID"]}}
+        }))
+        .expect("literal");
+        cms.create(&PostParams::default(), &cm)
+            .await
+            .expect("create");
+    }
+    let r = cms.delete("orders", &Default::default()).await;
+    assert!(
+        r.is_err(),
+        "a delete that does not go through the proxy is unannounced: {r:?}"
+    );
+    let (ok, out, err) = kubectl(&[
+        "--kubeconfig",
+        "/dev/null",
+        "-s",
+        &format!("http://{proxy_addr}"),
+        "-n",
+        &ns.name,
+        "delete",
+        "configmap",
+        "inventory",
+    ]);
+    assert!(ok, "the app's delete through the proxy: {out}{err}");
+    assert!(
+        cms.get_opt("inventory").await.expect("get").is_none(),
+        "inventory is gone"
+    );
+    assert!(
+        cms.get_opt("orders").await.expect("get").is_some(),
+        "orders stays"
     );
 }
 

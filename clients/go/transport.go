@@ -27,6 +27,9 @@ const (
 	// WriteIDAnnotation carries a value new on every write: the proof that the write presents
 	// its token itself rather than leaving the stored one in place.
 	WriteIDAnnotation = "fencedlease.io/write-id"
+	// DeleteIntentAnnotation announces a delete: a fenced update sets it to its own write id,
+	// then the delete follows. A protected object is deleted only as its last write announced.
+	DeleteIntentAnnotation = "fencedlease.io/delete-intent"
 )
 
 // MaxStampBodyBytes is the largest request body the Transport reads to stamp it (the same
@@ -36,9 +39,11 @@ const MaxStampBodyBytes = 8 << 20
 // Transport is an http.RoundTripper for a Kubernetes API client. It adds the current token,
 // the lease UID and a new write id (the annotations [TokenAnnotation], [LeaseUIDAnnotation],
 // [WriteIDAnnotation]) to the JSON body of every create (POST), update (PUT), merge patch and
-// strategic merge patch, as the sidecar's API proxy does. Every other write (DELETE, say) is
-// sent unchanged, but only while this pod leads: no write at all is sent while Source says it
-// does not lead. Reads (GET, HEAD, OPTIONS) pass through untouched, watches included.
+// strategic merge patch, as the sidecar's API proxy does. A DELETE of a protected object is
+// announced first, as the fencing webhook asks (a merge patch stamped with the token that sets
+// [DeleteIntentAnnotation] to its own write id), then sent; the Transport reads the object
+// (GET, limit=1) to know whether it is protected. Every write is sent only while this pod
+// leads: no write at all is sent while Source says it does not lead. Reads (GET, HEAD, OPTIONS) pass through untouched, watches included.
 //
 // What it cannot stamp it refuses, unsent, with an [*UnstampableError]: protobuf or YAML
 // bodies, JSON patches (application/json-patch+json: they can only add to what the object
@@ -147,6 +152,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, fmt.Errorf("fencedlease: refusing %s %s, not sent: %w", req.Method, req.URL.Redacted(), err)
 	}
 	if kind == passWrite {
+		if req.Method == http.MethodDelete {
+			if resp, err := announceDelete(base, req, tok); resp != nil || err != nil {
+				closeBody()
+				return resp, err
+			}
+		}
 		return base.RoundTrip(req)
 	}
 	if enc := req.Header.Get("Content-Encoding"); enc != "" && enc != "identity" {
@@ -170,6 +181,54 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	out.ContentLength = int64(len(stamped))
 	out.Header.Del("Content-Length")
 	return base.RoundTrip(out)
+}
+
+// announceDelete announces the delete req asks for, if its object is protected: it reads the
+// object and sends the announcing merge patch, both through base with req's headers (its
+// credentials). It returns a response only to answer req with it (the announcement's refusal);
+// nothing (nil, nil) to go on with the delete, which is also what an unreadable object or a
+// collection gets: the API server and the webhook answer the delete itself.
+func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http.Response, error) {
+	get := req.Clone(req.Context())
+	get.Method, get.Body, get.GetBody, get.ContentLength = http.MethodGet, nil, nil, 0
+	get.Header.Del("Content-Type")
+	get.URL.RawQuery = "limit=1"
+	resp, err := base.RoundTrip(get)
+	if err != nil {
+		return nil, nil
+	}
+	body, _ := readBounded(resp.Body, MaxStampBodyBytes)
+	resp.Body.Close()
+	var stored struct {
+		Metadata struct {
+			Labels map[string]string `json:"labels"`
+		} `json:"metadata"`
+	}
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &stored) != nil || stored.Metadata.Labels[LeaseLabel] == "" {
+		return nil, nil
+	}
+	id := newWriteID(tok)
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
+		TokenAnnotation: tok.String(), LeaseUIDAnnotation: tok.LeaseUID,
+		WriteIDAnnotation: id, DeleteIntentAnnotation: id,
+	}}})
+	p := req.Clone(req.Context())
+	p.Method, p.URL.RawQuery = http.MethodPatch, ""
+	p.Body = io.NopCloser(bytes.NewReader(patch))
+	p.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(patch)), nil }
+	p.ContentLength = int64(len(patch))
+	p.Header.Set("Content-Type", "application/merge-patch+json")
+	p.Header.Del("Content-Length")
+	resp, err = base.RoundTrip(p)
+	if err != nil {
+		return nil, fmt.Errorf("fencedlease: announcing the delete of %s, the delete was not sent: %w", req.URL.Redacted(), err)
+	}
+	if resp.StatusCode/100 == 2 {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, MaxStampBodyBytes))
+		resp.Body.Close()
+		return nil, nil
+	}
+	return resp, nil
 }
 
 // isNull says whether a raw JSON value is null.

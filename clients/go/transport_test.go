@@ -290,3 +290,79 @@ func TestTransportWithTheSidecarAsSource(t *testing.T) {
 type roundTripFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// A DELETE of a protected object goes out announced: read, announcing merge patch (the intent
+// is the patch's own write id, the token the current one), then the delete; an unprotected
+// object is only read first; a refused announcement is the answer, and no delete is sent.
+func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
+	var mu sync.Mutex
+	var seen []recorded
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		seen = append(seen, recorded{r.Method, r.URL.Path, r.Header.Get("Content-Type"), b})
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		switch {
+		case r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/plain"):
+			_, _ = w.Write([]byte(`{"metadata":{"labels":{"app":"x"}}}`))
+		case r.Method == http.MethodGet:
+			_, _ = w.Write([]byte(`{"metadata":{"labels":{"fencedlease.io/lease":"db"}}}`))
+		case r.Method == http.MethodPatch && strings.HasSuffix(r.URL.Path, "/refused"):
+			w.WriteHeader(http.StatusForbidden)
+			_, _ = w.Write([]byte(`{"kind":"Status","code":403,"message":"fencedlease: stale token 6"}`))
+		default:
+			_, _ = w.Write([]byte(`{}`))
+		}
+	}))
+	defer srv.Close()
+	src := &countingSource{tok: Token{Value: 7, LeaseUID: "u1"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	del := func(name string) (int, []recorded) {
+		mu.Lock()
+		seen = nil
+		mu.Unlock()
+		req, _ := http.NewRequest(http.MethodDelete, srv.URL+"/api/v1/namespaces/n/configmaps/"+name, strings.NewReader(`{"propagationPolicy":"Background"}`))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatalf("delete %s: %v", name, err)
+		}
+		resp.Body.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		return resp.StatusCode, append([]recorded(nil), seen...)
+	}
+	methods := func(rs []recorded) string {
+		var m []string
+		for _, r := range rs {
+			m = append(m, r.method)
+		}
+		return strings.Join(m, " ")
+	}
+	code, rs := del("protected")
+	if got := methods(rs); code != 200 || got != "GET PATCH DELETE" {
+		t.Fatalf("protected: %d %q", code, got)
+	}
+	var patch struct {
+		Metadata struct {
+			Annotations map[string]string `json:"annotations"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(rs[1].body, &patch); err != nil || rs[1].contentType != "application/merge-patch+json" {
+		t.Fatalf("the announcement %s (%s): %v", rs[1].body, rs[1].contentType, err)
+	}
+	a := patch.Metadata.Annotations
+	if a[TokenAnnotation] != "7" || a[LeaseUIDAnnotation] != "u1" || a[WriteIDAnnotation] == "" || a[DeleteIntentAnnotation] != a[WriteIDAnnotation] {
+		t.Fatalf("the announcement's annotations: %v", a)
+	}
+	if string(rs[2].body) != `{"propagationPolicy":"Background"}` {
+		t.Fatalf("the delete's own body must go out unchanged: %s", rs[2].body)
+	}
+	if code, rs := del("plain"); code != 200 || methods(rs) != "GET DELETE" {
+		t.Fatalf("plain: %d %q", code, methods(rs))
+	}
+	if code, rs := del("refused"); code != 403 || methods(rs) != "GET PATCH" {
+		t.Fatalf("refused announcement: %d %q", code, methods(rs))
+	}
+}

@@ -5,11 +5,13 @@ import os
 import unittest
 
 from fencedlease import (
+    DELETE_INTENT_ANNOTATION,
     LEASE_UID_ANNOTATION,
     TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
     LeadershipLost,
     Token,
+    delete_announcement,
     fencing_annotations,
     merge_patch,
     stamp,
@@ -116,3 +118,14 @@ class Tokens(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DeleteAnnouncement(unittest.TestCase):
+    def test_the_intent_is_the_announcing_write_s_own_id(self):
+        a = delete_announcement(T)["metadata"]["annotations"]
+        self.assertEqual(DELETE_INTENT_ANNOTATION, "fencedlease.io/delete-intent")
+        self.assertEqual(a[TOKEN_ANNOTATION], "6")
+        self.assertEqual(a[LEASE_UID_ANNOTATION], "0b6f-e1")
+        self.assertEqual(a[DELETE_INTENT_ANNOTATION], a[WRITE_ID_ANNOTATION])
+        b = delete_announcement(T)["metadata"]["annotations"]
+        self.assertNotEqual(a[WRITE_ID_ANNOTATION], b[WRITE_ID_ANNOTATION])

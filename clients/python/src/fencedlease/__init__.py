@@ -25,10 +25,12 @@ from .leadership import Leadership, leading, while_leading
 from .model import Disconnected, Status, Token, parse_token
 from .sse import SSEEvent, SSEParser
 from .stamp import (
+    DELETE_INTENT_ANNOTATION,
     LEASE_LABEL,
     LEASE_UID_ANNOTATION,
     TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
+    delete_announcement,
     fencing_annotations,
     merge_patch,
     new_write_id,
@@ -41,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "DEFAULT_TOKEN_DIR",
+    "DELETE_INTENT_ANNOTATION",
     "DEFAULT_URL",
     "Disconnected",
     "FencedLeaseError",
@@ -60,6 +63,7 @@ __all__ = [
     "WRITE_ID_ANNOTATION",
     "Watch",
     "default_token_dir",
+    "delete_announcement",
     "fencing_annotations",
     "leading",
     "merge_patch",

@@ -24,6 +24,8 @@ TOKEN_ANNOTATION = "fencedlease.io/token"
 LEASE_UID_ANNOTATION = "fencedlease.io/lease-uid"
 #: Annotation carrying a value new on every write.
 WRITE_ID_ANNOTATION = "fencedlease.io/write-id"
+#: Annotation announcing a delete: set by a fenced update to its own write id, before the delete.
+DELETE_INTENT_ANNOTATION = "fencedlease.io/delete-intent"
 
 
 def _token_of(token: Any) -> Token:
@@ -124,4 +126,20 @@ def merge_patch(token: Any, patch: Optional[Mapping[str, Any]] = None) -> Dict[s
     if not isinstance(ann, dict):
         raise TypeError(f"patch metadata.annotations is a {type(ann).__name__}, not a dict")
     ann.update(fencing_annotations(token))
+    return body
+
+
+def delete_announcement(token: Any) -> Dict[str, Any]:
+    """The JSON merge patch that announces a delete of a protected object under ``token``.
+
+    Deletes of protected objects are fenced: the holder sends this patch (``patch_namespaced_*``
+    with it, or ``kubectl patch --type merge``), then the delete, both while it leads. The delete
+    lands only while the object's last write is this announcement and its token is current::
+
+        api.patch_namespaced_config_map("inventory", ns, delete_announcement(lead))
+        api.delete_namespaced_config_map("inventory", ns)
+    """
+    body = merge_patch(token)
+    ann = body["metadata"]["annotations"]
+    ann[DELETE_INTENT_ANNOTATION] = ann[WRITE_ID_ANNOTATION]
     return body
