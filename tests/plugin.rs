@@ -408,3 +408,68 @@ async fn check_by_a_user_who_may_not_ask_about_rights_says_so_instead_of_crashin
     );
     assert!(!r.ok, "{}", r.stdout);
 }
+
+/// Deletes are fenced, so a person deletes a protected object as the holder:
+/// `kubectl fencedlease delete` takes the lease (asking the holder to hand it over), announces
+/// the delete under its token, deletes, and gives the lease back.
+#[tokio::test]
+async fn delete_takes_the_lease_announces_and_deletes_a_protected_object() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-delete").await;
+    let dir = scratch_dir("plugin-delete");
+    let _wh = common::webhook::Webhook::start(&client, &dir, &ns.name).await;
+    let _a = campaign(&dir, &ns.name, "db", "a", 30);
+    let (_, token) = holder(&ns.name, "db").await;
+    let lease = Api::<FencedLease>::namespaced(client.clone(), &ns.name)
+        .get("db")
+        .await
+        .expect("lease");
+    let uid = lease.metadata.uid.clone().expect("uid");
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    for (name, labels) in [
+        (
+            "inventory",
+            serde_json::json!({"fencedlease.io/lease": "db"}),
+        ),
+        ("plain", serde_json::json!({})),
+    ] {
+        let cm = serde_json::from_value(serde_json::json!({"metadata": {
+            "name": name, "labels": labels,
+            "annotations": {"fencedlease.io/token": token.to_string(), "fencedlease.io/lease-uid": uid}}}))
+        .expect("literal");
+        cms.create(&PostParams::default(), &cm)
+            .await
+            .expect("create");
+    }
+    let (ok, _, err) = kubectl(&["-n", &ns.name, "delete", "configmap", "inventory"]);
+    assert!(
+        !ok && err.contains("did not announce a delete"),
+        "kubectl delete: {err}"
+    );
+    let r = plugin(&ns.name, &["delete", "configmap/plain"]);
+    assert!(
+        !r.ok && r.stderr.contains("is not protected"),
+        "{}",
+        r.stderr
+    );
+    let r = plugin(&ns.name, &["delete", "no-such-kind/x"]);
+    assert!(!r.ok && r.stderr.contains("api-resources"), "{}", r.stderr);
+    // The holder keeps renewing: without --handover the command never gets the lease.
+    let r = plugin(
+        &ns.name,
+        &["delete", "configmap/inventory", "--timeout-seconds", "2"],
+    );
+    assert!(!r.ok && r.stderr.contains("--handover"), "{}", r.stderr);
+    assert!(cms.get_opt("inventory").await.expect("get").is_some());
+    let r = plugin(&ns.name, &["delete", "configmap/inventory", "--handover"]);
+    assert!(r.ok, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("deleted under token"), "{}", r.stdout);
+    assert!(
+        cms.get_opt("inventory").await.expect("get").is_none(),
+        "inventory is gone"
+    );
+    // The lease was given back: free, or the campaign's again, never the command's.
+    let r = plugin(&ns.name, &["who", "db"]);
+    assert!(!r.stdout.contains("kubectl-fencedlease-"), "{}", r.stdout);
+}

@@ -5,6 +5,7 @@
 //! Decisions are pure ([`view`], [`check`]); this module does the I/O around them.
 
 pub mod check;
+pub mod delete;
 pub mod view;
 
 use std::io::{BufRead, IsTerminal, Write};
@@ -88,6 +89,20 @@ pub enum PluginCommand {
     /// (or Deployment, StatefulSet, DaemonSet templates) annotated fencedlease.io/lease may do
     /// what the sidecar does to its lease (asked with SubjectAccessReviews).
     Check,
+    /// Delete a protected object as its lease's holder (deletes are fenced: only the holder's
+    /// announced delete lands): take the lease under an identity of this command's own,
+    /// announce the delete under its token, delete, and give the lease back.
+    Delete {
+        /// RESOURCE/NAME, as kubectl takes it: `configmap/inventory`, `deployments.apps/web`.
+        target: String,
+        /// Ask the current holder to hand the lease over (spec.preferredHolder) instead of
+        /// waiting until it is free.
+        #[arg(long)]
+        handover: bool,
+        /// How long to wait to hold the lease.
+        #[arg(long, default_value_t = 60)]
+        timeout_seconds: u64,
+    },
 }
 
 /// What went wrong, with what to do.
@@ -111,6 +126,18 @@ pub enum PluginError {
     NeedsConfirmation,
     #[error("the lease kept changing while revoking it; try again")]
     KeptRacing,
+    #[error(
+        "{0:?} is not RESOURCE/NAME (for example configmap/inventory or deployments.apps/web)"
+    )]
+    Target(String),
+    #[error("no namespaced resource {0:?} in this cluster (see kubectl api-resources)")]
+    UnknownResource(String),
+    #[error("{0} is not protected (no fencedlease.io/lease label): delete it with kubectl delete")]
+    NotProtected(String),
+    #[error("did not get to hold FencedLease {0} in time: pass --handover to ask the holder to hand it over, revoke it (kubectl fencedlease release), or wait longer (--timeout-seconds)")]
+    NeverLed(String),
+    #[error("campaigning for the lease: {0}")]
+    Elector(String),
     #[error(transparent)]
     Check(#[from] check::CheckError),
     #[error("writing the output: {0}")]
@@ -174,6 +201,14 @@ pub async fn run(args: PluginArgs) -> Result<ExitCode, PluginError> {
             handover(&client, &leases, &ns, &lease, &to).await
         }
         PluginCommand::Release { lease, yes } => release(&leases, &ns, &lease, yes).await,
+        PluginCommand::Delete {
+            target,
+            handover,
+            timeout_seconds,
+        } => {
+            let patience = std::time::Duration::from_secs(timeout_seconds);
+            delete::delete(&client, &ns, &target, handover, patience).await
+        }
         PluginCommand::Check => {
             let findings = check::gather(&client, &ns).await?;
             print!("{}", check::render(&findings));
