@@ -245,6 +245,7 @@ fn bench_pipeline(c: &mut Criterion) {
                         }
                         Parsed::Pass(r, _) => r.into_review(),
                         Parsed::Parent(c) => c.response.into_review(),
+                        Parsed::Autoscaler(c) => c.judgement.response.into_review(),
                         Parsed::Invalid(r) => *r,
                     };
                     serde_json::to_vec(&review).expect("serialize")

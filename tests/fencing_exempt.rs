@@ -9,7 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::fencing::{
-    announce_delete, create, fenced_merge, held_lease, move_lease, protected_meta,
+    announce_delete, assert_refused, create, fenced_merge, held_lease, move_lease, protected_meta,
+    stamp,
 };
 use common::procs::scratch_dir;
 use common::webhook::Webhook;
@@ -176,4 +177,88 @@ fn the_webhook_refuses_to_start_with_an_anonymous_or_node_exemption() {
             "{flag}={name}: {err}"
         );
     }
+}
+
+/// Protection follows control (issue 33, hole 4): an autoscaler scales its target through
+/// exempt /scale writes for whoever may edit it, so writes to the HorizontalPodAutoscaler of a
+/// protected Deployment are judged by the Deployment's lease. A replaced holder cannot move the
+/// replicas through the autoscaler; the holder stamps its autoscaler like the object; an
+/// autoscaler of an unprotected Deployment is nobody's business.
+#[tokio::test]
+async fn an_autoscaler_of_a_protected_deployment_is_judged_by_its_lease() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "hpa").await;
+    let dir = scratch_dir("hpa");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    let deployment = |meta: serde_json::Value| {
+        serde_json::json!({"metadata": meta, "spec": {"replicas": 1,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}},
+                "spec": {"nodeSelector": {"fencedlease.io/nowhere": "true"},
+                         "containers": [{"name": "c", "image": "fencedlease-test-none:0"}]}}}})
+    };
+    create(&deploys, deployment(protected_meta("web", "inv", &a)))
+        .await
+        .expect("the protected Deployment");
+    create(&deploys, deployment(serde_json::json!({"name": "plain"})))
+        .await
+        .expect("an unprotected Deployment");
+    // autoscaling/v2 from Kubernetes 1.23, v2beta2 before (the same fields).
+    let version = if common::server_minor(&client).await >= 23 {
+        "v2"
+    } else {
+        "v2beta2"
+    };
+    let ar = kube::discovery::ApiResource {
+        group: "autoscaling".into(),
+        version: version.into(),
+        api_version: format!("autoscaling/{version}"),
+        kind: "HorizontalPodAutoscaler".into(),
+        plural: "horizontalpodautoscalers".into(),
+    };
+    let hpas: Api<kube::api::DynamicObject> = Api::namespaced_with(client.clone(), &ns.name, &ar);
+    let hpa = |name: &str, target: &str, annotations: serde_json::Value| {
+        serde_json::json!({"apiVersion": ar.api_version, "kind": ar.kind,
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+                     "minReplicas": 1, "maxReplicas": 3}})
+    };
+    let r = create(&hpas, hpa("web", "web", serde_json::json!({}))).await;
+    assert_refused(
+        "an unstamped autoscaler of the protected Deployment",
+        r,
+        403,
+        "this autoscaler scales Deployment",
+    );
+    create(&hpas, hpa("web", "web", stamp(&a)))
+        .await
+        .expect("the holder's autoscaler, stamped");
+    create(&hpas, hpa("plain", "plain", serde_json::json!({})))
+        .await
+        .expect("an unprotected Deployment's autoscaler needs no token");
+    // The lease moves: A, replaced, raises the floor of the replicas: refused; B may.
+    let b = move_lease(&client, &ns.name, "inv", "pod-b").await;
+    let floor = serde_json::json!({"spec": {"minReplicas": 3}});
+    let r = fenced_merge(&hpas, "web", &a, floor.clone()).await;
+    assert_refused(
+        "A's autoscaler change",
+        r,
+        403,
+        &format!("stale token {}", a.token),
+    );
+    fenced_merge(&hpas, "web", &b, floor)
+        .await
+        .expect("B's autoscaler change");
+    // Pointing the unprotected Deployment's autoscaler at the protected one is judged too.
+    let retarget = serde_json::json!({"spec": {"scaleTargetRef": {"name": "web"}}});
+    let r = common::fencing::merge(&hpas, "plain", retarget).await;
+    assert_refused(
+        "retargeting an autoscaler at the protected Deployment",
+        r,
+        403,
+        "must carry the holder's token",
+    );
 }

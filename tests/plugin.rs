@@ -473,3 +473,81 @@ async fn delete_takes_the_lease_announces_and_deletes_a_protected_object() {
     let r = plugin(&ns.name, &["who", "db"]);
     assert!(!r.stdout.contains("kubectl-fencedlease-"), "{}", r.stdout);
 }
+
+/// `check` names protected objects whose controller is not protected, and autoscalers of
+/// protected objects that nothing judges (here no fencing webhook is installed, as in policy
+/// mode): whoever may edit those changes the protected object through Kubernetes' exempt
+/// controllers.
+#[tokio::test]
+async fn check_says_where_protection_does_not_follow_control() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "plugin-control").await;
+    let n = ns.name.as_str();
+    let deploys: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(client.clone(), n);
+    let deployment = |name: &str, labels: serde_json::Value| {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "c", "image": "registry.invalid/x"}]}}}
+        }))
+        .expect("deployment literal")
+    };
+    let api = deploys
+        .create(
+            &PostParams::default(),
+            &deployment("api", serde_json::json!({})),
+        )
+        .await
+        .expect("create api");
+    deploys
+        .create(
+            &PostParams::default(),
+            &deployment("web", serde_json::json!({"fencedlease.io/lease": "inv"})),
+        )
+        .await
+        .expect("create web");
+    let conf: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "conf", "labels": {"fencedlease.io/lease": "inv"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "api",
+                                 "uid": api.metadata.uid, "controller": true}]}
+    }))
+    .expect("configmap literal");
+    Api::namespaced(client.clone(), n)
+        .create(&PostParams::default(), &conf)
+        .await
+        .expect("create conf");
+    let (ok, _, err) = kubectl(&[
+        "-n",
+        n,
+        "autoscale",
+        "deployment",
+        "web",
+        "--min=1",
+        "--max=3",
+    ]);
+    assert!(ok, "kubectl autoscale: {err}");
+    let r = plugin(n, &["check"]);
+    assert!(!r.ok, "{}", r.stdout);
+    let owner = format!("ConfigMap {n}/conf is protected by FencedLease inv, but its controller Deployment {n}/api is not");
+    assert!(r.stdout.contains(&owner), "{}", r.stdout);
+    let hpa = format!("HorizontalPodAutoscaler {n}/web scales Deployment {n}/web, protected by FencedLease inv, and nothing judges");
+    assert!(r.stdout.contains(&hpa), "{}", r.stdout);
+    // Protect the controller: that finding goes.
+    let (ok, _, err) = kubectl(&[
+        "-n",
+        n,
+        "label",
+        "deployment",
+        "api",
+        "fencedlease.io/lease=inv",
+    ]);
+    assert!(ok, "{err}");
+    let r = plugin(n, &["check"]);
+    assert!(
+        !r.stdout.contains(&owner) && r.stdout.contains(&hpa),
+        "{}",
+        r.stdout
+    );
+}

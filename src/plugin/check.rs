@@ -1,7 +1,9 @@
 //! `check`: is fencedlease installed and working? Each finding says what to do when it is not.
 //! The verdicts are pure functions of the fetched objects; [`gather`] does the fetching.
-//! [`rbac`] checks the sidecar's rights in the namespace (-n).
+//! [`rbac`] checks the sidecar's rights in the namespace (-n), [`control`] that protection
+//! follows control there.
 
+pub mod control;
 pub mod rbac;
 
 use std::sync::Arc;
@@ -417,6 +419,7 @@ pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, Che
         ));
     }
     out.extend(rbac::gather(client, probe_ns).await);
+    out.extend(control::gather(client, probe_ns, &vwc).await);
     Ok(out)
 }
 

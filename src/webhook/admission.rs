@@ -30,8 +30,33 @@ pub enum Parsed {
     /// A write through /scale, or a pod's binding: allowed only if the object it acts on is
     /// not protected.
     Parent(Box<ParentCheck>),
+    /// A write to a HorizontalPodAutoscaler: judged by the lease of the object it scales, if
+    /// that object is protected (the autoscaler's exempt /scale writes act for whoever edits
+    /// it).
+    Autoscaler(Box<AutoscalerCheck>),
     /// Unreadable or impossible: answer with this refusing review.
     Invalid(Box<AdmissionReview<DynamicObject>>),
+}
+
+/// The object an autoscaler scales (`spec.scaleTargetRef`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleTarget {
+    #[serde(default)]
+    pub api_version: String,
+    #[serde(default)]
+    pub kind: String,
+    #[serde(default)]
+    pub name: String,
+}
+
+/// A write to an autoscaler: the judgement it gets if a target is protected (its
+/// `lease_name` is filled in from the target's label), and the targets to read: the new one,
+/// and on update the old one if it differs (both must pass).
+#[derive(Debug)]
+pub struct AutoscalerCheck {
+    pub judgement: Judgement,
+    pub targets: Vec<ScaleTarget>,
 }
 
 /// The fencing metadata of an object, owned.
@@ -75,6 +100,9 @@ pub struct Judgement {
     pub subresource: Option<String>,
     /// A delete, judged on the stored object's stamp (`previous` is then None).
     pub deleting: bool,
+    /// The protected object this write acts on, when it is not the written object itself (an
+    /// autoscaler's target): named in refusals.
+    pub acts_on: Option<String>,
 }
 
 impl Judgement {
@@ -330,6 +358,12 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
         let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
         return parse_delete(req, response, writer_exempt);
     }
+    if is_autoscaler_write(&req) {
+        if exempt.covers(&req.user_info.username, &req.user_info.groups) {
+            return pass("exempt");
+        }
+        return parse_autoscaler(body, req, response);
+    }
     if !matches!(req.operation, Operation::Create | Operation::Update) {
         return pass("not_a_write");
     }
@@ -349,6 +383,80 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
         };
     }
     parse_write(req, sub, response, writer_exempt)
+}
+
+/// A create or update of a HorizontalPodAutoscaler itself (its /status is the autoscaler
+/// controller's report, and changes no replicas).
+fn is_autoscaler_write(req: &RequestIn) -> bool {
+    req.resource.group == "autoscaling"
+        && req.resource.resource == "horizontalpodautoscalers"
+        && req.sub_resource.as_deref().is_none_or(str::is_empty)
+        && matches!(req.operation, Operation::Create | Operation::Update)
+}
+
+/// The scale targets of an autoscaler review, read in a second pass over the body (only
+/// autoscalers have one, so the first pass does not look for it).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct AutoscalerReviewIn {
+    #[serde(default)]
+    request: AutoscalerRequestIn,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct AutoscalerRequestIn {
+    #[serde(default)]
+    object: Option<AutoscalerIn>,
+    #[serde(default)]
+    old_object: Option<AutoscalerIn>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct AutoscalerIn {
+    #[serde(default)]
+    spec: AutoscalerSpecIn,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct AutoscalerSpecIn {
+    #[serde(default)]
+    scale_target_ref: Option<ScaleTarget>,
+}
+
+fn parse_autoscaler(body: &[u8], req: RequestIn, response: AdmissionResponse) -> Parsed {
+    let review: AutoscalerReviewIn = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => return Parsed::Invalid(Box::new(unreadable(&e.to_string()))),
+    };
+    let target = |o: Option<AutoscalerIn>| o.and_then(|o| o.spec.scale_target_ref);
+    let mut targets: Vec<ScaleTarget> = target(review.request.object).into_iter().collect();
+    if let Some(old) = target(review.request.old_object) {
+        if !targets.contains(&old) {
+            targets.push(old);
+        }
+    }
+    targets.retain(|t| !t.name.is_empty() && !t.kind.is_empty());
+    let Some(namespace) = req.namespace.clone().filter(|n| !n.is_empty()) else {
+        return Parsed::Pass(Box::new(response), "cluster_scoped");
+    };
+    let (Some(new), old) = (req.object.as_ref(), req.old_object.as_ref()) else {
+        let msg = "fencedlease: a create or update without an object";
+        return Parsed::Invalid(Box::new(response.deny(msg).into_review()));
+    };
+    let judgement = Judgement {
+        lease_name: String::new(),
+        stamp: OwnedStamp::of(new),
+        previous: old.map(OwnedStamp::of),
+        subresource: None,
+        deleting: false,
+        acts_on: None,
+        response,
+        namespace,
+    };
+    Parsed::Autoscaler(Box::new(AutoscalerCheck { judgement, targets }))
 }
 
 /// A kubelet's status update of a pod (a node identity may never be exempt in general, but
@@ -422,6 +530,7 @@ fn parse_write(
         previous: old.map(OwnedStamp::of),
         subresource: sub,
         deleting: false,
+        acts_on: None,
         response,
         namespace,
     }))
@@ -455,6 +564,7 @@ fn parse_delete(req: RequestIn, response: AdmissionResponse, writer_exempt: bool
         previous: None,
         subresource: None,
         deleting: true,
+        acts_on: None,
         response,
         namespace,
     }))
@@ -474,7 +584,10 @@ pub fn respond(
 
 /// The refusal's message, with what a subresource write adds to it.
 fn message(j: &Judgement, r: &Refusal) -> String {
-    let msg = r.message(&j.attempt());
+    let mut msg = r.message(&j.attempt());
+    if let Some(target) = &j.acts_on {
+        msg = format!("{msg}; this autoscaler scales {target}, which that lease protects, so its writes are judged by the lease like the object's (stamp them the same way)");
+    }
     match (&j.subresource, r) {
         (Some(sub), Refusal::NotPresented | Refusal::MissingToken) => format!(
             "{msg}; this was a write to /{sub}: where the type's /{sub} keeps metadata from the stored object (custom resources do), no token can be presented there, and only the exempt writers (Kubernetes' controllers) may write it"
@@ -659,6 +772,88 @@ mod tests {
         // No stored object: nothing can tell whether it is protected; refused.
         let b = review("DELETE", serde_json::Value::Null, None);
         assert!(matches!(parsed(&b), Parsed::Invalid(_)));
+    }
+
+    #[test]
+    fn an_autoscaler_write_names_its_targets_to_be_judged_by_their_lease() {
+        let hpa = |target: &str, annotations: serde_json::Value| {
+            serde_json::json!({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": "web", "namespace": "shop", "annotations": annotations},
+                "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+                         "minReplicas": 1, "maxReplicas": 9, "metrics": []}})
+        };
+        let review = |user: &str,
+                      sub: Option<&str>,
+                      new: serde_json::Value,
+                      old: Option<serde_json::Value>| {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&review_as("UPDATE", sub, user, new, old)).expect("json");
+            v["request"]["resource"] = serde_json::json!({"group": "autoscaling", "version": "v2", "resource": "horizontalpodautoscalers"});
+            serde_json::to_vec(&v).expect("json")
+        };
+        let stamped = serde_json::json!({TOKEN_ANNOTATION: "5", LEASE_UID_ANNOTATION: "u1", WRITE_ID_ANNOTATION: "w2"});
+        let b = review(
+            "alice",
+            None,
+            hpa("web", stamped),
+            Some(hpa("api", serde_json::json!({}))),
+        );
+        let Parsed::Autoscaler(c) = parsed(&b) else {
+            panic!("an autoscaler check")
+        };
+        let names: Vec<&str> = c.targets.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["web", "api"],
+            "the new target, then the old one it leaves"
+        );
+        assert_eq!(
+            (
+                c.targets[0].api_version.as_str(),
+                c.targets[0].kind.as_str()
+            ),
+            ("apps/v1", "Deployment")
+        );
+        assert_eq!(c.judgement.stamp.token.as_deref(), Some("5"));
+        assert!(c.judgement.previous.is_some());
+        // Retargeting nothing: one target.
+        let b = review(
+            "alice",
+            None,
+            hpa("web", serde_json::json!({})),
+            Some(hpa("web", serde_json::json!({}))),
+        );
+        let Parsed::Autoscaler(c) = parsed(&b) else {
+            panic!("an autoscaler check")
+        };
+        assert_eq!(c.targets.len(), 1);
+        // Exempt writers pass, and the autoscaler controller's /status is no write of replicas.
+        let b = review(
+            "system:serviceaccount:kube-system:gc",
+            None,
+            hpa("web", serde_json::json!({})),
+            None,
+        );
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
+        let b = review(
+            "alice",
+            Some("status"),
+            hpa("web", serde_json::json!({})),
+            Some(hpa("web", serde_json::json!({}))),
+        );
+        assert!(matches!(parsed(&b), Parsed::Pass(_, "unlabelled")));
+        // A refusal names the target the autoscaler acts on.
+        let mut j = c.judgement;
+        j.lease_name = "inv".into();
+        j.acts_on = Some("Deployment shop/web".into());
+        let (resp, _) = respond(&j, None, Mode::Enforce);
+        assert!(
+            resp.result
+                .message
+                .contains("this autoscaler scales Deployment shop/web"),
+            "{}",
+            resp.result.message
+        );
     }
 
     #[test]

@@ -47,7 +47,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
 use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
-use admission::{Judgement, ParentCheck, Parsed};
+use admission::{AutoscalerCheck, Judgement, ParentCheck, Parsed, ScaleTarget};
 use coalesce::Coalescer;
 use tls::{CertFiles, ReloadingCert};
 
@@ -565,6 +565,62 @@ impl Shared {
         }
     }
 
+    /// The lease that protects an autoscaler's target, if any. A target the webhook may not
+    /// read (the chart grants `get` on every fenced type), that does not exist, or whose kind
+    /// the API server does not serve is not protected; any other failure to read is an error.
+    async fn target_lease(&self, ns: &str, t: &ScaleTarget) -> Result<Option<String>, String> {
+        let gvk = match t.api_version.split_once('/') {
+            Some((g, v)) => kube::core::GroupVersionKind::gvk(g, v, &t.kind),
+            None => kube::core::GroupVersionKind::gvk("", &t.api_version, &t.kind),
+        };
+        let not_ours = |e: &kube::Error| {
+            matches!(e, kube::Error::Api(s) if matches!(s.code, 403 | 404))
+                || matches!(e, kube::Error::Discovery(_))
+        };
+        let seconds = self.metrics.read_seconds("scaled");
+        self.metrics.fresh_reads.inc();
+        let read = async {
+            let ar = match kube::discovery::pinned_kind(&self.client, &gvk).await {
+                Ok((ar, _)) => ar,
+                Err(e) if not_ours(&e) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), ns, &ar);
+            match api.get_metadata_opt(&t.name).await {
+                Err(e) if not_ours(&e) => Ok(None),
+                other => other,
+            }
+        };
+        let obj = timed_read(&self.health, Some(&seconds), read).await?;
+        Ok(obj
+            .and_then(|o| o.metadata.labels)
+            .and_then(|mut l| l.remove(crate::api::LEASE_LABEL))
+            .filter(|v| !v.is_empty()))
+    }
+
+    /// A write to an autoscaler: judged by the lease of each target that is protected (the
+    /// autoscaler's exempt /scale writes would act for whoever may edit it); else passed.
+    async fn autoscaler(&self, c: &mut AutoscalerCheck) -> (AdmissionResponse, &'static str) {
+        let ns = c.judgement.namespace.clone();
+        for t in &c.targets {
+            let lease = match self.target_lease(&ns, t).await {
+                Ok(Some(lease)) => lease,
+                Ok(None) => continue,
+                Err(detail) => {
+                    let what = format!("{} {ns}/{}, the autoscaler's target", t.kind, t.name);
+                    return admission::unconfirmed(&c.judgement.response, &what, &detail);
+                }
+            };
+            c.judgement.lease_name = lease;
+            c.judgement.acts_on = Some(format!("{} {ns}/{}", t.kind, t.name));
+            let (resp, label) = self.judge(&c.judgement).await;
+            if !resp.allowed {
+                return (resp, label);
+            }
+        }
+        (c.judgement.response.clone(), "passed")
+    }
+
     /// Reads from the API server every `API_PROBE_INTERVAL`, so that readiness follows
     /// whether the webhook can read even when no write comes.
     async fn probe_api(self: Arc<Self>) {
@@ -615,6 +671,13 @@ impl Shared {
                 let (resp, label) = self.scale(&c).await;
                 if !resp.allowed {
                     info!(ns = %c.namespace, name = %c.name, resource = %c.resource, via = c.via.path(), result = label, "refused a write through a subresource");
+                }
+                (resp.into_review(), label)
+            }
+            Parsed::Autoscaler(mut c) => {
+                let (resp, label) = self.autoscaler(&mut c).await;
+                if !resp.allowed {
+                    info!(ns = %c.judgement.namespace, lease = %c.judgement.lease_name, result = label, "refused a write to an autoscaler of a protected object");
                 }
                 (resp.into_review(), label)
             }

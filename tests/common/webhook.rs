@@ -228,7 +228,10 @@ impl Webhook {
             {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["UPDATE"],
              "resources": ["deployments/scale", "statefulsets/scale"], "scope": "Namespaced"},
             {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["UPDATE"],
-             "resources": ["widgets/scale"], "scope": "Namespaced"}
+             "resources": ["widgets/scale"], "scope": "Namespaced"},
+            // As the chart does: an autoscaler's writes, judged by its target's lease.
+            {"apiGroups": ["autoscaling"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+             "resources": ["horizontalpodautoscalers"], "scope": "Namespaced"}
         ]);
         // The chart's rules for pods (fencedlease.judgedSubresources, and the bindings).
         if fence_pods {
