@@ -240,12 +240,14 @@ pub fn is_renewal(prev: &LeaderState, next: &LeaderState) -> bool {
             LeaderState::Leading {
                 valid_until: a,
                 token: t,
+                tenure: n,
             },
             LeaderState::Leading {
                 valid_until: b,
                 token: u,
+                tenure: m,
             },
-        ) => a != b || t != u,
+        ) => a != b || t != u || n != m,
         (_, LeaderState::Leading { .. }) => true,
         _ => false,
     }
@@ -341,6 +343,7 @@ mod tests {
                 generation: token,
             },
             valid_until: until,
+            tenure: 1,
         }
     }
 

@@ -1369,6 +1369,7 @@ mod tests {
                 generation: 3,
             },
             valid_until: until,
+            tenure: 1,
         };
         assert_eq!(
             term_end_of(&leading(now + Duration::from_secs(1)), now),

@@ -61,11 +61,77 @@ pub fn check_pin(
     ))
 }
 
+/// Whether a write without a pin may go out in the pod's tenure `tenure` (see
+/// [`LeaderState::Leading`]), given the tenure the app last showed it knows (`acknowledged`, 0
+/// for none). The sidecar's first tenure needs no acknowledgement: the app can have decided
+/// nothing under an earlier one of this sidecar. A later tenure follows a loss, and a write the
+/// app decided before that loss would go out stamped with the new token, over the work of
+/// whoever led in between: such writes wait until the app acknowledges the tenure
+/// (`POST /v1/acknowledge` on the sidecar's API, or a write pinned to the current token).
+pub fn admits_unpinned(tenure: u64, acknowledged: u64) -> bool {
+    tenure <= 1 || tenure == acknowledged
+}
+
+/// Which tenure the app last showed it knows: shared by the proxy and the sidecar's API.
+#[derive(Clone, Debug, Default)]
+pub struct Acknowledged(Arc<std::sync::atomic::AtomicU64>);
+
+impl Acknowledged {
+    /// Records that the app knows tenure `tenure`.
+    pub fn set(&self, tenure: u64) {
+        self.0.store(tenure, std::sync::atomic::Ordering::SeqCst);
+    }
+    /// The tenure the app last acknowledged (0: none).
+    pub fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The pod's token and tenure, if it leads now.
+pub fn leading_now(state: &LeaderState) -> Option<(FencingToken, u64)> {
+    match state {
+        LeaderState::Leading { token, tenure, .. } => state
+            .leading_token(Instant::now())
+            .map(|_| (token.clone(), *tenure)),
+        _ => None,
+    }
+}
+
 struct Proxy {
     client: kube::Client,
     state: watch::Receiver<LeaderState>,
     lease: String,
     namespace: String,
+    acknowledged: Acknowledged,
+    /// `--proxy-allow-unacknowledged`: send unpinned writes in every tenure (the hand-back
+    /// window stays open).
+    allow_unacknowledged: bool,
+}
+
+impl Proxy {
+    /// Why a write must not go out now, if it must not: the pod does not lead, the write is
+    /// pinned to another tenure, or it is unpinned in a tenure the app has not acknowledged.
+    /// A write pinned to the current tenure acknowledges it.
+    fn refusal(&self, headers: &axum::http::HeaderMap) -> Option<String> {
+        let lease = format!("FencedLease {}/{}", self.namespace, self.lease);
+        let Some((current, tenure)) = leading_now(&self.state.borrow()) else {
+            return Some(format!("this pod does not lead {lease}"));
+        };
+        if let Err(why) = pin_of(headers, &current) {
+            return Some(format!("{lease}: {why}"));
+        }
+        if headers.contains_key(PIN_HEADER) {
+            self.acknowledged.set(tenure);
+            return None;
+        }
+        if self.allow_unacknowledged || admits_unpinned(tenure, self.acknowledged.get()) {
+            return None;
+        }
+        Some(format!(
+            "this pod lost {lease} and leads it again, with token {current}; a write the app decided before the loss would go out stamped with the new token, over the work of whoever led in between, so writes without a pin wait until the app shows it knows the new tenure: POST /v1/acknowledge {{\"token\": {}}} on the sidecar's API (the fencedlease clients do when a leading block starts), or send each write with the header {PIN_HEADER}: {} (the token it was decided under)",
+            current.generation, current.generation
+        ))
+    }
 }
 
 /// What to do with a request body before forwarding it.
@@ -212,14 +278,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let write = !matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
     let token = p.state.borrow().leading_token(Instant::now()).cloned();
     if write {
-        let lease = format!("FencedLease {}/{}", p.namespace, p.lease);
-        let refusal = match &token {
-            None => Some(format!("this pod does not lead {lease}")),
-            Some(current) => pin_of(&parts.headers, current)
-                .err()
-                .map(|why| format!("{lease}: {why}")),
-        };
-        if let Some(why) = refusal {
+        if let Some(why) = p.refusal(&parts.headers) {
             return status(
                 StatusCode::FORBIDDEN,
                 crate::fencing::REFUSAL_REASON,
@@ -341,24 +400,47 @@ fn upstream_request(
     builder.body(body)
 }
 
+/// What the proxy needs besides its client.
+pub struct ProxyConfig {
+    pub state: watch::Receiver<LeaderState>,
+    pub lease: String,
+    pub namespace: String,
+    pub acknowledged: Acknowledged,
+    pub allow_unacknowledged: bool,
+}
+
 /// The proxy's router.
-pub fn router(
-    client: kube::Client,
-    state: watch::Receiver<LeaderState>,
-    lease: String,
-    namespace: String,
-) -> Router {
+pub fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
     Router::new().fallback(forward).with_state(Arc::new(Proxy {
         client,
-        state,
-        lease,
-        namespace,
+        state: cfg.state,
+        lease: cfg.lease,
+        namespace: cfg.namespace,
+        acknowledged: cfg.acknowledged,
+        allow_unacknowledged: cfg.allow_unacknowledged,
     }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unpinned_writes_wait_for_the_app_after_a_loss() {
+        // (tenure, acknowledged, sent)
+        #[rustfmt::skip]
+        let table = [
+            (1, 0, true),  // the sidecar's first tenure: nothing the app decided can be older
+            (2, 0, false), // the lease came back: not until the app shows it knows
+            (2, 1, false), // it acknowledged an earlier tenure only
+            (2, 2, true),
+            (5, 2, false),
+            (5, 5, true),
+        ];
+        for (tenure, acked, sent) in table {
+            assert_eq!(admits_unpinned(tenure, acked), sent, "{tenure} {acked}");
+        }
+    }
 
     #[test]
     fn a_pinned_write_goes_out_only_in_the_tenure_it_was_decided_in() {

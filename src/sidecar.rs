@@ -75,6 +75,11 @@ pub struct SidecarArgs {
     /// are refused while this pod does not lead. Off unless set.
     #[arg(long, env = "FENCEDLEASE_PROXY_LISTEN")]
     pub proxy_listen: Option<SocketAddr>,
+    /// Let the proxy send writes without a pin in every tenure, also after the lease was lost
+    /// and acquired again before the app acknowledged the new tenure. Off: such writes are
+    /// refused, because one the app decided before the loss would go out under the new token.
+    #[arg(long, env = "FENCEDLEASE_PROXY_ALLOW_UNACKNOWLEDGED")]
+    pub proxy_allow_unacknowledged: bool,
     /// Also serve /healthz, /readyz and /metrics (without the token; no status, no token API)
     /// on this address, for kubelet's HTTP probes and Prometheus. Unlike an exec probe, an HTTP probe of a frozen pod times out and
     /// fails, so a frozen leader turns unready. Off unless set; the injector sets [::]:PORT+2
@@ -123,13 +128,17 @@ struct Shared {
     registry: Arc<Registry>,
     /// Everything but the token, for the probe endpoint's /metrics (reachable on the pod IP).
     public_registry: Arc<Registry>,
+    /// The tenure the app last acknowledged (the proxy's gate after a loss).
+    acknowledged: crate::proxy::Acknowledged,
 }
 
 impl Shared {
     fn status(&self, state: &LeaderState) -> Status {
         let now = Instant::now();
         let (leading, token, uid, holder, left) = match state {
-            LeaderState::Leading { token, valid_until } if now < *valid_until => (
+            LeaderState::Leading {
+                token, valid_until, ..
+            } if now < *valid_until => (
                 true,
                 Some(token.generation),
                 Some(token.lease_uid.clone()),
@@ -176,6 +185,54 @@ async fn token(State(s): State<Arc<Shared>>) -> Response {
             })),
         )
             .into_response(),
+    }
+}
+
+/// The body of `POST /v1/acknowledge`: the token the app knows it leads with.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Acknowledgement {
+    token: i64,
+    #[serde(default)]
+    lease_uid: Option<String>,
+}
+
+/// The app shows it knows the tenure it leads in (after a loss, the proxy sends its unpinned
+/// writes only from then on): 200 if `token` (and `leaseUID`, if sent) is the current tenure's,
+/// 409 with the reason if not.
+async fn acknowledge(
+    State(s): State<Arc<Shared>>,
+    body: Result<Json<Acknowledgement>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Ok(Json(ack)) = body else {
+        let msg = r#"send JSON {"token": N} (and optionally "leaseUID") with the token the app leads with"#;
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(serde_json::json!({"error": msg})),
+        )
+            .into_response();
+    };
+    let now = crate::proxy::leading_now(&s.handle.state.borrow());
+    match now {
+        Some((t, tenure))
+            if t.generation == ack.token
+                && ack.lease_uid.as_ref().is_none_or(|u| *u == t.lease_uid) =>
+        {
+            s.acknowledged.set(tenure);
+            Json(serde_json::json!({"acknowledged": t.generation, "tenure": tenure}))
+                .into_response()
+        }
+        other => {
+            let now = other.map_or("this pod does not lead".to_string(), |(t, _)| {
+                format!("this pod leads with token {t}")
+            });
+            let msg = format!("token {} is not the current tenure's: {now}; read the token again (GET /v1/token) and decide under it", ack.token);
+            (
+                StatusCode::CONFLICT,
+                Json(serde_json::json!({"error": msg})),
+            )
+                .into_response()
+        }
     }
 }
 
@@ -549,6 +606,7 @@ fn shared_state(
         app_healthy: AtomicBool::new(true),
         registry: Arc::new(registry),
         public_registry: Arc::new(public_registry),
+        acknowledged: crate::proxy::Acknowledged::default(),
     });
     (shared, gauges)
 }
@@ -656,10 +714,16 @@ impl Servers {
                 .merge(crate::admin::metrics_route(shared.public_registry.clone()));
             (addr, router)
         });
-        let state = shared.handle.state.clone();
+        let cfg = crate::proxy::ProxyConfig {
+            state: shared.handle.state.clone(),
+            lease: args.lease.clone(),
+            namespace: args.namespace.clone(),
+            acknowledged: shared.acknowledged.clone(),
+            allow_unacknowledged: args.proxy_allow_unacknowledged,
+        };
         let api = serve_api(args, shared, stop.clone()).await?;
         let proxy = match args.proxy_listen {
-            Some(addr) => Some(serve_proxy(args, addr, client, state, stop.clone()).await?),
+            Some(addr) => Some(serve_proxy(addr, client, cfg, stop.clone()).await?),
             None => None,
         };
         // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
@@ -691,6 +755,7 @@ async fn serve_api(
         .route("/v1/token", get(token))
         .route("/v1/watch", get(watch_sse))
         .route("/v1/release", post(release))
+        .route("/v1/acknowledge", post(acknowledge))
         .merge(probe_routes(&shared))
         .merge(crate::admin::metrics_route(shared.registry.clone()))
         .with_state(shared);
@@ -707,13 +772,12 @@ async fn serve_api(
 
 /// The Kubernetes API proxy on `addr` (see [`crate::proxy`]).
 async fn serve_proxy(
-    args: &SidecarArgs,
     addr: SocketAddr,
     client: kube::Client,
-    state: watch::Receiver<LeaderState>,
+    cfg: crate::proxy::ProxyConfig,
     stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
-    let router = crate::proxy::router(client, state, args.lease.clone(), args.namespace.clone());
+    let router = crate::proxy::router(client, cfg);
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the proxy on {addr}"))?;

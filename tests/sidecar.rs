@@ -770,9 +770,35 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
         body.contains(&format!("decided under token {t1}")),
         "{body}"
     );
+    // Unpinned, it is refused too: the app has not shown it knows the new tenure.
+    let (code, body) = write(None, "a-stale");
+    assert_eq!(code, 403, "{body}");
+    assert!(body.contains("POST /v1/acknowledge"), "{body}");
     assert_eq!(stored().await, "b", "B's work stands");
+    // Acknowledging an old tenure is refused and opens nothing.
+    let ack = |t: i64| {
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data",
+            &format!("{{\"token\":{t}}}"),
+            &format!("{}/v1/acknowledge", a.url),
+        ])
+    };
+    let (code, body) = ack(t1);
+    assert_eq!(code, 409, "{body}");
+    let (code, body) = write(None, "a-stale");
+    assert_eq!(code, 403, "{body}");
     // A write decided in the current tenure lands.
     let (code, body) = write(Some(t3), "a3");
     assert_eq!(code, 200, "{body}");
     assert_eq!(stored().await, "a3");
+    // Pinned to the current tenure, it showed the app knows it: unpinned writes go out again,
+    // as after an explicit acknowledgement.
+    let (code, body) = write(None, "a4");
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = ack(t3);
+    assert_eq!(code, 200, "{body}");
 }

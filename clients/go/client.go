@@ -180,26 +180,38 @@ func excerpt(b []byte) string {
 
 // do sends one short request and returns the status code and the (bounded) body.
 func (c *Client) do(ctx context.Context, op, method, path string) (int, []byte, error) {
+	return c.doBody(ctx, op, method, path, nil)
+}
+
+// doBody is do with a JSON request body (none when nil).
+func (c *Client) doBody(ctx context.Context, op, method, path string, body []byte) (int, []byte, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, defaultRequestTimeout)
 		defer cancel()
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.endpoint(path), nil)
+	var reader io.Reader
+	if body != nil {
+		reader = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.endpoint(path), reader)
 	if err != nil {
 		return 0, nil, fmt.Errorf("fencedlease: %s: %w", op, err)
 	}
 	req.Header.Set("Accept", "application/json")
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
 	resp, err := c.httpClient().Do(req)
 	if err != nil {
 		return 0, nil, c.unreachable(op, err)
 	}
 	defer resp.Body.Close()
-	body, err := readBounded(resp.Body, maxResponseBytes)
+	answer, err := readBounded(resp.Body, maxResponseBytes)
 	if err != nil {
 		return 0, nil, fmt.Errorf("fencedlease: %s: reading the answer of %s: %w", op, c.base, err)
 	}
-	return resp.StatusCode, body, nil
+	return resp.StatusCode, answer, nil
 }
 
 // unexpected describes an answer the sidecar should not give.
@@ -273,6 +285,34 @@ func (c *Client) Release(ctx context.Context) error {
 		return c.unexpected(op, code, body)
 	}
 	return nil
+}
+
+// ErrNotCurrent is what Acknowledge returns when the token is not the tenure this pod leads in.
+var ErrNotCurrent = errors.New("fencedlease: not the current tenure's token")
+
+// Acknowledge tells the sidecar that this process knows it leads with tok (POST
+// /v1/acknowledge). After the lease was lost and acquired again, the sidecar's API proxy sends
+// writes without a pin only once the app has acknowledged the new tenure: a write decided
+// before the loss would otherwise go out under the new token. [Runnable] acknowledges each term
+// as it starts. A tok that is not the current tenure's gives an error wrapping [ErrNotCurrent].
+func (c *Client) Acknowledge(ctx context.Context, tok Token) error {
+	const op = "POST /v1/acknowledge"
+	body, err := json.Marshal(map[string]any{"token": tok.Value, "leaseUID": tok.LeaseUID})
+	if err != nil {
+		return fmt.Errorf("fencedlease: %s: %w", op, err)
+	}
+	code, answer, err := c.doBody(ctx, op, http.MethodPost, "/v1/acknowledge", body)
+	if err != nil {
+		return err
+	}
+	switch code {
+	case http.StatusOK:
+		return nil
+	case http.StatusConflict:
+		return fmt.Errorf("%w: %s: %s", ErrNotCurrent, op, excerpt(answer))
+	default:
+		return c.unexpected(op, code, answer)
+	}
 }
 
 // decodeStatus parses one event's data.

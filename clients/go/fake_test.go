@@ -17,7 +17,8 @@ type fakeSidecar struct {
 	st       Status
 	subs     map[chan Status]chan struct{} // stream -> closed to drop it
 	releases int
-	streams  int // watch connections accepted
+	acked    []Token // acknowledgements received
+	streams  int     // watch connections accepted
 	srv      *httptest.Server
 	client   *Client
 }
@@ -51,6 +52,25 @@ func newFakeSidecar(t *testing.T, st Status) *fakeSidecar {
 			return
 		}
 		writeJSON(w, http.StatusConflict, map[string]any{"error": "not leading", "holder": st.Holder})
+	})
+	mux.HandleFunc("POST /v1/acknowledge", func(w http.ResponseWriter, r *http.Request) {
+		var ack struct {
+			Token    int64  `json:"token"`
+			LeaseUID string `json:"leaseUID"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&ack); err != nil {
+			writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
+			return
+		}
+		tok, ok := f.status().LeadingToken()
+		if !ok || tok != (Token{Value: ack.Token, LeaseUID: ack.LeaseUID}) {
+			writeJSON(w, http.StatusConflict, map[string]string{"error": "not the current tenure"})
+			return
+		}
+		f.mu.Lock()
+		f.acked = append(f.acked, tok)
+		f.mu.Unlock()
+		writeJSON(w, http.StatusOK, map[string]any{"acknowledged": tok.Value})
 	})
 	mux.HandleFunc("POST /v1/release", func(w http.ResponseWriter, r *http.Request) {
 		f.mu.Lock()

@@ -287,6 +287,13 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	if fmt.Sprint(meta["generation"]) != tok.String() || meta["uid"] != tok.LeaseUID {
 		t.Fatalf("the lease has generation %v uid %v; the sidecar says %+v", meta["generation"], meta["uid"], tok)
 	}
+	// The real sidecar takes an acknowledgement of the current tenure only.
+	if err := leader.Acknowledge(ctx, tok); err != nil {
+		t.Fatalf("Acknowledge of the current tenure: %v", err)
+	}
+	if err := leader.Acknowledge(ctx, Token{Value: tok.Value - 1, LeaseUID: tok.LeaseUID}); !errors.Is(err, ErrNotCurrent) {
+		t.Fatalf("Acknowledge of an earlier token: %v", err)
+	}
 	_, err = follower.Token(ctx)
 	var nl *NotLeadingError
 	if !errors.As(err, &nl) || nl.Holder != st.Identity {

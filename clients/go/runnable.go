@@ -118,7 +118,14 @@ func (r *Runnable) Start(ctx context.Context) error {
 			// Run already returned in this term.
 		default:
 			stop("leadership moved to a new token")
-			runCtx, cancel := context.WithCancelCause(ctx)
+			// The term's writes are pinned to its token, and the sidecar's proxy is told
+			// that the app knows the tenure. A failed acknowledgement needs no handling here:
+			// the proxy then refuses unpinned writes, saying why (fail closed), and writes
+			// through the Transport do not depend on it.
+			actx, acancel := context.WithTimeout(ctx, statusCheckTimeout)
+			_ = r.Client.Acknowledge(actx, tok)
+			acancel()
+			runCtx, cancel := context.WithCancelCause(WithTenure(ctx, tok))
 			t := &term{tok: tok, cancel: cancel, done: make(chan error, 1)}
 			go func() { t.done <- r.Run(runCtx, tok) }()
 			cur = t

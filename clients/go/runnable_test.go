@@ -192,3 +192,30 @@ func TestRunnableNeedsClientAndRun(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+// Each term acknowledges its tenure with the sidecar and gives Run a context pinned to it.
+func TestRunnablePinsEachTermAndAcknowledgesIt(t *testing.T) {
+	f := newFakeSidecar(t, leadingStatus(7, "u1", time.Minute))
+	pinned := make(chan Token, 1)
+	r := &Runnable{Client: f.client, Run: func(ctx context.Context, tok Token) error {
+		p, _ := TenureOf(ctx)
+		pinned <- p
+		<-ctx.Done()
+		return nil
+	}}
+	startRunnable(t, r)
+	select {
+	case p := <-pinned:
+		if p != (Token{Value: 7, LeaseUID: "u1"}) {
+			t.Fatalf("Run's context is pinned to %v", p)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run never started")
+	}
+	f.mu.Lock()
+	acked := append([]Token(nil), f.acked...)
+	f.mu.Unlock()
+	if len(acked) != 1 || acked[0].Value != 7 {
+		t.Fatalf("acknowledged: %v", acked)
+	}
+}

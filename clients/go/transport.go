@@ -2,6 +2,7 @@ package fencedlease
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -64,6 +65,27 @@ type Transport struct {
 	Source TokenSource
 	// Base sends the requests (http.DefaultTransport when nil); it adds the credentials.
 	Base http.RoundTripper
+}
+
+// ErrTenureOver is what the Transport returns, unsent, for a write whose context is pinned
+// ([WithTenure]) to a token that is no longer the current one.
+var ErrTenureOver = errors.New("fencedlease: the tenure the write was decided in is over")
+
+type tenureKey struct{}
+
+// WithTenure pins the writes sent with ctx to tok, the token they were decided under: the
+// Transport sends them only while tok is still the current token, and refuses them unsent with
+// an error wrapping [ErrTenureOver] once it is not. Without a pin a write decided under token N,
+// delayed while the pod lost the lease and got it back under N+k, would go out stamped N+k over
+// the work of whoever led in between. [Runnable] pins the context it gives Run.
+func WithTenure(ctx context.Context, tok Token) context.Context {
+	return context.WithValue(ctx, tenureKey{}, tok)
+}
+
+// TenureOf is the token ctx is pinned to by [WithTenure], if any.
+func TenureOf(ctx context.Context) (Token, bool) {
+	tok, ok := ctx.Value(tenureKey{}).(Token)
+	return tok, ok
 }
 
 // UnstampableError is a write the Transport refused to send because it cannot add the fencing
@@ -150,6 +172,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		closeBody()
 		return nil, fmt.Errorf("fencedlease: refusing %s %s, not sent: %w", req.Method, req.URL.Redacted(), err)
+	}
+	if pinned, ok := TenureOf(req.Context()); ok && pinned != tok {
+		closeBody()
+		return nil, fmt.Errorf("%w: refusing %s %s, not sent: it was decided under token %s (lease %s), and the pod now leads with token %s (lease %s); decide again under the current token", ErrTenureOver, req.Method, req.URL.Redacted(), pinned, pinned.LeaseUID, tok, tok.LeaseUID)
 	}
 	if kind == passWrite {
 		if req.Method == http.MethodDelete {

@@ -366,3 +366,52 @@ func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
 		t.Fatalf("refused announcement: %d %q", code, methods(rs))
 	}
 }
+
+// A write pinned to a tenure (WithTenure) goes out only while its token is the current one;
+// once the token moved on, it is refused unsent with ErrTenureOver.
+func TestTransportSendsAPinnedWriteOnlyInItsTenure(t *testing.T) {
+	api := newAPIServer(t)
+	src := &countingSource{tok: Token{Value: 7, LeaseUID: "u1"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	send := func(ctx context.Context) error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPatch, api.srv.URL+"/api/v1/namespaces/n/configmaps/c", strings.NewReader(`{"data":{"a":"1"}}`))
+		req.Header.Set("Content-Type", "application/merge-patch+json")
+		resp, err := c.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err
+	}
+	pinned := WithTenure(context.Background(), Token{Value: 7, LeaseUID: "u1"})
+	if err := send(pinned); err != nil {
+		t.Fatalf("a write pinned to the current tenure: %v", err)
+	}
+	if tok, ok := TenureOf(pinned); !ok || tok.Value != 7 {
+		t.Fatalf("TenureOf: %v %v", tok, ok)
+	}
+	src.mu.Lock()
+	src.tok = Token{Value: 10, LeaseUID: "u1"} // lost and acquired again
+	src.mu.Unlock()
+	err := send(pinned)
+	if !errors.Is(err, ErrTenureOver) || !strings.Contains(err.Error(), "decided under token 7") {
+		t.Fatalf("a write pinned to an ended tenure: %v", err)
+	}
+	if n := len(api.received()); n != 1 {
+		t.Fatalf("the refused write reached the API server: %d requests", n)
+	}
+	if err := send(context.Background()); err != nil {
+		t.Fatalf("an unpinned write: %v", err)
+	}
+}
+
+// Acknowledge tells the sidecar the app knows its tenure; a stale token is ErrNotCurrent.
+func TestAcknowledgeOnlyTheCurrentTenure(t *testing.T) {
+	f := newFakeSidecar(t, leadingStatus(7, "u1", time.Minute))
+	ctx := context.Background()
+	if err := f.client.Acknowledge(ctx, Token{Value: 7, LeaseUID: "u1"}); err != nil {
+		t.Fatalf("acknowledging the current tenure: %v", err)
+	}
+	if err := f.client.Acknowledge(ctx, Token{Value: 6, LeaseUID: "u1"}); !errors.Is(err, ErrNotCurrent) {
+		t.Fatalf("acknowledging an old tenure: %v", err)
+	}
+}

@@ -189,9 +189,9 @@ pub fn plan(
     grace: Duration,
 ) -> Plan {
     let leading = match state {
-        LeaderState::Leading { token, valid_until } if now < *valid_until => {
-            Some((token, stop_times(*valid_until, since, grace)))
-        }
+        LeaderState::Leading {
+            token, valid_until, ..
+        } if now < *valid_until => Some((token, stop_times(*valid_until, since, grace))),
         _ => None,
     };
     let Some((token, times)) = leading else {
@@ -424,7 +424,13 @@ impl Campaign {
         match plan(now, state, self.seen.since, running, self.grace) {
             Plan::Idle => Ok(Some(None)),
             Plan::Run { term_at } => {
-                if let (true, LeaderState::Leading { token, valid_until }) = (renewed, state) {
+                if let (
+                    true,
+                    LeaderState::Leading {
+                        token, valid_until, ..
+                    },
+                ) = (renewed, state)
+                {
                     self.log.write(
                         "renewed",
                         serde_json::json!({"token": token.generation,
@@ -758,6 +764,7 @@ mod tests {
         LeaderState::Leading {
             token: token(generation),
             valid_until,
+            tenure: 1,
         }
     }
 

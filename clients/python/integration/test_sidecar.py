@@ -146,6 +146,10 @@ class Story(unittest.TestCase):
         t1 = self.state["t1"]
         with leading(self.a, wait=False) as lead:
             self.assertEqual(lead.token(), t1)
+            # The real sidecar takes an acknowledgement of the current tenure only.
+            self.a.acknowledge(t1)
+            with self.assertRaises(NotLeader):
+                self.a.acknowledge(Token(t1.generation + 1, t1.lease_uid))
             cm = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": {"name": "orders-state", "labels": {LEASE_LABEL: ENV["FL_PY_LEASE"]}},
                   "data": {"step": "0"}}

@@ -11,8 +11,8 @@ from typing import Callable, List, Optional
 
 
 class Request:
-    def __init__(self, method: str, path: str, headers: dict):
-        self.method, self.path, self.headers = method, path, headers
+    def __init__(self, method: str, path: str, headers: dict, body: bytes = b""):
+        self.method, self.path, self.headers, self.body = method, path, headers, body
 
     def __repr__(self) -> str:
         return f"{self.method} {self.path}"
@@ -87,7 +87,14 @@ class FakeServer:
             for line in lines[1:]:
                 k, _, v = line.partition(":")
                 headers[k.strip().lower()] = v.strip()
-            req = Request(method, path, headers)
+            body = head.split(b"\r\n\r\n", 1)[1]
+            want = int(headers.get("content-length", "0") or 0)
+            while len(body) < want:
+                piece = conn.recv(4096)
+                if not piece:
+                    return
+                body += piece
+            req = Request(method, path, headers, body)
             self.requests.append(req)
             self.handler(req, conn)
         except OSError:
@@ -160,6 +167,7 @@ class FakeSidecar:
         self.status_hangs = False
         self.status_polls = 0
         self.releases = 0
+        self.acknowledged: list = []
         self.server = FakeServer(self._handle)
         self.url = self.server.url
 
@@ -201,6 +209,15 @@ class FakeSidecar:
             self.releases += 1
             self.set(leading=False, holder=None)
             respond_json(conn, 202, {"releasing": True})
+        elif req.path == "/v1/acknowledge" and req.method == "POST":
+            ack = json.loads(req.body or b"{}")
+            with self._cond:
+                st = self._status()
+            if st["leading"] and ack.get("token") == st["token"] and ack.get("leaseUID") in (None, st["leaseUID"]):
+                self.acknowledged.append(ack["token"])
+                respond_json(conn, 200, {"acknowledged": ack["token"]})
+            else:
+                respond_json(conn, 409, {"error": "not the current tenure"})
         elif req.path == "/v1/watch":
             sse_head(conn)
             seen = None

@@ -149,3 +149,26 @@ class Leading(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Acknowledgement(unittest.TestCase):
+    def setUp(self):
+        self.side = FakeSidecar(leading=True, token=4, holder=None)
+        self.client = Client(self.side.url)
+
+    def tearDown(self):
+        self.side.close()
+
+    def test_a_leading_block_acknowledges_its_tenure_and_pins_writes_to_it(self):
+        with leading(self.client) as lead:
+            self.assertEqual(self.side.acknowledged, [4])
+            self.assertEqual(lead.pin_headers(), {"fencedlease-token": "4", "fencedlease-lease-uid": "uid-1"})
+            self.side.set(leading=False, token=None, holder="pod-b")
+            self.assertTrue(lead.lost.wait(2))
+            with self.assertRaises(LeadershipLost):
+                lead.pin_headers()
+
+    def test_only_the_current_tenure_can_be_acknowledged(self):
+        self.client.acknowledge(Token(4, "uid-1"))
+        with self.assertRaises(NotLeader):
+            self.client.acknowledge(Token(3, "uid-1"))

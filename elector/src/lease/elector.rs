@@ -74,6 +74,10 @@ pub enum LeaderState {
         /// other participant could take over. Check it before acting (see
         /// [`LeaderState::leading_token`]).
         valid_until: Instant,
+        /// Which of this participant's tenures: 1 for its first acquisition, one more for each
+        /// later one. It stays the same while a tenure lasts, through spec edits that move the
+        /// token on, so a change of it means the lease was lost and acquired again.
+        tenure: u64,
     },
 }
 
@@ -82,7 +86,9 @@ impl LeaderState {
     /// reader who was paused never acts on a claim that ran out while it slept.
     pub fn leading_token(&self, now: Instant) -> Option<&FencingToken> {
         match self {
-            LeaderState::Leading { token, valid_until } if now < *valid_until => Some(token),
+            LeaderState::Leading {
+                token, valid_until, ..
+            } if now < *valid_until => Some(token),
             _ => None,
         }
     }
@@ -169,6 +175,8 @@ pub struct Elector {
     latest: Option<FencedLease>,
     obs: Option<Observation>,
     tenure: Option<(Tenure, String)>,
+    /// How many tenures this participant has had (see [`LeaderState::Leading`]).
+    tenures: u64,
     retry_at: Option<Instant>,
     hold_off_until: Option<Instant>,
     last_renew_wall: Option<jiff::Timestamp>,
@@ -207,6 +215,7 @@ impl Elector {
             latest: None,
             obs: None,
             tenure: None,
+            tenures: 0,
             retry_at: None,
             hold_off_until: None,
             last_renew_wall: None,
@@ -350,6 +359,7 @@ impl Elector {
                     generation: tenure.token,
                 },
                 valid_until: self.instant(tenure.valid_until()),
+                tenure: self.tenures,
             });
         }
     }
@@ -586,6 +596,7 @@ impl Elector {
                 }
                 let tenure = Tenure::acquired(token, self.mono(sent), timing);
                 self.tenure = Some((tenure, uid));
+                self.tenures += 1;
                 self.saw(Some(acquired.clone()));
                 info!(
                     token,

@@ -110,6 +110,21 @@ class Client:
         if code != 202:
             raise self._unexpected("/v1/release", code, body)
 
+    def acknowledge(self, token: Token) -> None:
+        """``POST /v1/acknowledge``: tell the sidecar this process knows it leads with ``token``.
+
+        After the lease was lost and acquired again, the sidecar's Kubernetes API proxy sends
+        writes without a pin only once the app has acknowledged the new tenure: a write decided
+        before the loss would otherwise go out under the new token. ``leading()`` does this as
+        its block starts. Raises :class:`NotLeader` if ``token`` is not the current tenure's."""
+        body = json.dumps({"token": token.generation, "leaseUID": token.lease_uid}).encode()
+        code, answer = self._request("POST", "/v1/acknowledge", body=body)
+        if code == 409:
+            msg = self._json("/v1/acknowledge", answer).get("error", "not the current tenure")
+            raise NotLeader(f"{self._where('/v1/acknowledge')}: {msg}")
+        if code != 200:
+            raise self._unexpected("/v1/acknowledge", code, answer)
+
     def watch(
         self,
         *,
@@ -144,20 +159,23 @@ class Client:
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
-    def _open(self, method: str, path: str, timeout: float) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _open(self, method: str, path: str, timeout: float, body: Optional[bytes] = None) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Sends the request and reads the response head; errors become ours."""
         where = self._where(path)
         conn = self._connection(timeout)
+        headers = {"Accept": "application/json, text/event-stream"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            conn.request(method, self._prefix + path, headers={"Accept": "application/json, text/event-stream"})
+            conn.request(method, self._prefix + path, body=body, headers=headers)
             return conn, conn.getresponse()
         except BaseException as e:
             conn.close()
             raise _translate(e, where, timeout) from e
 
-    def _request(self, method: str, path: str, timeout: Optional[float] = None) -> Tuple[int, bytes]:
+    def _request(self, method: str, path: str, timeout: Optional[float] = None, body: Optional[bytes] = None) -> Tuple[int, bytes]:
         timeout = self.timeout if timeout is None else timeout
-        conn, resp = self._open(method, path, timeout)
+        conn, resp = self._open(method, path, timeout, body)
         where = self._where(path)
         try:
             length = resp.getheader("Content-Length")

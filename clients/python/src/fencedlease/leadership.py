@@ -82,6 +82,14 @@ class Leadership:
 
     check = token
 
+    def pin_headers(self) -> dict:
+        """HTTP headers that pin a write sent through the sidecar's Kubernetes API proxy to this
+        tenure (``fencedlease-token``, ``fencedlease-lease-uid``): the proxy refuses the write if
+        the pod leads in another tenure by the time it arrives, instead of stamping it with the
+        new token. Checks :meth:`token` first (raises :class:`LeadershipLost` once over)."""
+        t = self.token()
+        return {"fencedlease-token": str(t.generation), "fencedlease-lease-uid": t.lease_uid}
+
     def wait_lost(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the tenure is lost (True) or ``timeout`` passes (False). Also notices a
         deadline that passes without an event."""
@@ -167,6 +175,14 @@ class leading:
             watch.close()
             raise
         self._watch, self.leadership = watch, lead
+        try:
+            # The app knows this tenure: the sidecar's proxy may send its unpinned writes.
+            self.client.acknowledge(lead._token)
+        except FencedLeaseError as e:
+            # Not fatal: the proxy then refuses unpinned writes and says why (fail closed);
+            # a token that moved on meanwhile ends the tenure through the watch.
+            if isinstance(e, NotLeader):
+                lead._lose(f"the token moved on before the tenure could be acknowledged ({e})")
         for target, name in ((self._follow, "watch"), (self._refresh, "refresh")):
             t = threading.Thread(target=target, args=(lead,), name=f"fencedlease-{name}", daemon=True)
             t.start()
