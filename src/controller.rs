@@ -1267,7 +1267,7 @@ impl<'a> Active<'a> {
     async fn next_term(&'a self, state: &mut watch::Receiver<LeaderState>) -> Option<Term<'a>> {
         loop {
             let s = state.borrow_and_update().clone();
-            if let Some(token) = s.leading_token(Instant::now()) {
+            if let Some(token) = s.leading_token(crate::lease::clock::now()) {
                 info!(
                     token = token.generation,
                     "this replica is the active controller"
@@ -1340,7 +1340,7 @@ impl Term<'_> {
         tokio::pin!(controller);
         loop {
             let s = state.borrow().clone();
-            if let Some(end) = term_end_of(&s, Instant::now()) {
+            if let Some(end) = term_end_of(&s, crate::lease::clock::now()) {
                 return end;
             }
             let LeaderState::Leading { valid_until, .. } = s else {
@@ -1349,7 +1349,7 @@ impl Term<'_> {
             tokio::select! {
                 () = &mut controller => return TermEnd::Stopped,
                 r = state.changed() => if r.is_err() { return TermEnd::Lost },
-                () = tokio::time::sleep_until(valid_until) => {}
+                () = tokio::time::sleep_until(crate::lease::clock::timer_for(valid_until)) => {}
                 () = self.active.shutdown.cancelled() => return TermEnd::Stopped,
             }
         }

@@ -15,12 +15,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use serde_json::{json, Value};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
 use crate::api::{
     DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
 };
+use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
@@ -91,7 +91,7 @@ impl Acknowledged {
 pub fn leading_now(state: &LeaderState) -> Option<(FencingToken, u64)> {
     match state {
         LeaderState::Leading { token, tenure, .. } => state
-            .leading_token(Instant::now())
+            .leading_token(clock::now())
             .map(|_| (token.clone(), *tenure)),
         _ => None,
     }
@@ -276,7 +276,7 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response {
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let write = !matches!(parts.method, Method::GET | Method::HEAD | Method::OPTIONS);
-    let token = p.state.borrow().leading_token(Instant::now()).cloned();
+    let token = p.state.borrow().leading_token(clock::now()).cloned();
     if write {
         if let Some(why) = p.refusal(&parts.headers) {
             return status(

@@ -21,10 +21,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
 
@@ -134,7 +134,7 @@ struct Shared {
 
 impl Shared {
     fn status(&self, state: &LeaderState) -> Status {
-        let now = Instant::now();
+        let now = clock::now();
         let (leading, token, uid, holder, left) = match state {
             LeaderState::Leading {
                 token, valid_until, ..
@@ -334,14 +334,14 @@ async fn watch_sse(
                 return Some((Ok(ev), (s, rx, Some(st))));
             }
             let deadline = match &state {
-                LeaderState::Leading { valid_until, .. } if Instant::now() < *valid_until => {
+                LeaderState::Leading { valid_until, .. } if clock::now() < *valid_until => {
                     *valid_until
                 }
-                _ => Instant::now() + Duration::from_secs(3600),
+                _ => clock::now() + Duration::from_secs(3600),
             };
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return None },
-                () = tokio::time::sleep_until(deadline) => {}
+                () = tokio::time::sleep_until(clock::timer_for(deadline)) => {}
             }
         }
     });
@@ -353,7 +353,7 @@ async fn token_files(dir: PathBuf, mut rx: watch::Receiver<LeaderState>, stop: C
     let mut written: Option<(i64, String)> = None;
     loop {
         let state = rx.borrow_and_update().clone();
-        let now = Instant::now();
+        let now = clock::now();
         let want = state
             .leading_token(now)
             .map(|t| (t.generation, t.lease_uid.clone()));
@@ -378,7 +378,7 @@ async fn token_files(dir: PathBuf, mut rx: watch::Receiver<LeaderState>, stop: C
         let deadline = retry_at.map_or(deadline, |r| r.min(deadline));
         tokio::select! {
             r = rx.changed() => if r.is_err() { break },
-            () = tokio::time::sleep_until(deadline) => {}
+            () = tokio::time::sleep_until(clock::timer_for(deadline)) => {}
             () = stop.cancelled() => break,
         }
     }
@@ -671,7 +671,7 @@ async fn follow_leadership(
 ) {
     loop {
         let st = rx.borrow_and_update().clone();
-        match st.leading_token(Instant::now()) {
+        match st.leading_token(clock::now()) {
             Some(t) => {
                 leading.set(1);
                 token_gauge.set(t.generation);

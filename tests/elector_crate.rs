@@ -44,7 +44,7 @@ impl Participant {
         self.handle
             .state
             .borrow()
-            .leading_token(Instant::now())
+            .leading_token(fencedlease_elector::lease::clock::now())
             .cloned()
     }
 

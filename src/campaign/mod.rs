@@ -21,6 +21,7 @@ use tokio::time::{sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
@@ -92,7 +93,7 @@ fn unix_ns(t: jiff::Timestamp) -> i128 {
 
 /// The wall-clock time of a monotonic instant (on this machine).
 fn wall_of(at: Instant) -> jiff::Timestamp {
-    let now_i = Instant::now();
+    let now_i = clock::now();
     let now_w = jiff::Timestamp::now();
     let delta = if at >= now_i {
         jiff::SignedDuration::try_from(at - now_i).unwrap_or_default()
@@ -338,7 +339,7 @@ pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
         running: None,
         seen: Seen {
             valid_until: None,
-            since: Instant::now(),
+            since: clock::now(),
         },
     };
     let ended = campaign
@@ -389,14 +390,14 @@ impl Campaign {
             let Some(term_at) = self.act(&current).await? else {
                 continue; // it started or stopped the command: decide again
             };
-            let wake = term_at.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let wake = term_at.unwrap_or_else(|| clock::now() + Duration::from_secs(3600));
             tokio::select! {
                 changed = state.changed() => if changed.is_err() {
                     // The elector stopped (its watch ended): nothing guarantees leadership.
                     self.stop_all(&current, StopReason::Shutdown).await;
                     anyhow::bail!("the elector ended unexpectedly");
                 },
-                () = sleep_until(wake) => {} // time to stop, unless renewed meanwhile
+                () = sleep_until(clock::timer_for(wake)) => {} // time to stop, unless renewed meanwhile
                 status = wait_child(&mut self.running) => {
                     // What it left behind goes too, or it would outlive this process.
                     self.stop_all(&current, StopReason::CommandExited).await;
@@ -418,7 +419,7 @@ impl Campaign {
     /// Carries out the plan for `state` now. Returns None when it started or stopped the
     /// command, else when to look again (None: only on news).
     async fn act(&mut self, state: &LeaderState) -> anyhow::Result<Option<Option<Instant>>> {
-        let now = Instant::now();
+        let now = clock::now();
         let renewed = self.seen.update(state, now);
         let running = self.running.as_ref().map(|r| &r.token);
         match plan(now, state, self.seen.since, running, self.grace) {
@@ -507,7 +508,7 @@ impl Campaign {
 
     /// Stops whatever runs, for a reason other than the lease.
     async fn stop_all(&mut self, state: &LeaderState, reason: StopReason) {
-        let kill_at = shutdown_kill_at(Instant::now(), state, self.seen.since, self.grace);
+        let kill_at = shutdown_kill_at(clock::now(), state, self.seen.since, self.grace);
         self.stop(kill_at, reason).await;
     }
 }
@@ -571,6 +572,8 @@ mod tree {
     use tokio::process::Child;
     use tokio::time::{sleep, sleep_until, Instant};
     use tracing::warn;
+
+    use crate::lease::clock;
 
     /// How often to look whether the tree is gone.
     const POLL: Duration = Duration::from_millis(10);
@@ -711,7 +714,7 @@ mod tree {
     /// SIGTERM to the command's group and all descendants now; SIGKILL to all of them at
     /// `kill_at` if any is left (repeated until no descendant remains), reaping as they go.
     pub async fn stop(child: &mut Child, group: Pid, kill_at: Instant) -> Outcome {
-        if Instant::now() < kill_at {
+        if clock::now() < kill_at {
             signal_all(group, Signal::SIGTERM);
             loop {
                 if reap_and_check(child, group) {
@@ -720,13 +723,13 @@ mod tree {
                         left: Vec::new(),
                     };
                 }
-                if Instant::now() >= kill_at {
+                if clock::now() >= kill_at {
                     break;
                 }
-                sleep_until((Instant::now() + POLL).min(kill_at)).await;
+                sleep_until(clock::timer_for((clock::now() + POLL).min(kill_at))).await;
             }
         }
-        let sigkill_at = Instant::now();
+        let sigkill_at = clock::now();
         loop {
             // Again and again: a process may have forked between the scan and the signal.
             signal_all(group, Signal::SIGKILL);
@@ -770,7 +773,7 @@ mod tests {
 
     #[test]
     fn stop_times_kill_by_the_end_of_validity_and_never_cut_a_renewal_short() {
-        let t0 = Instant::now();
+        let t0 = clock::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
         let s = Duration::from_secs;
         // (valid_until, since, grace) -> (term_at, kill_at), in ms after t0
@@ -812,7 +815,7 @@ mod tests {
 
     #[test]
     fn plan_starts_runs_and_stops_the_command_at_the_right_moments() {
-        let t0 = Instant::now();
+        let t0 = clock::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
         let grace = Duration::from_secs(2);
         let following = LeaderState::Following {
@@ -880,7 +883,7 @@ mod tests {
 
     #[test]
     fn shutdown_waits_out_the_grace_only_while_leading() {
-        let t0 = Instant::now();
+        let t0 = clock::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
         let grace = Duration::from_secs(2);
         let lead = leading(7, ms(13_000));
@@ -904,7 +907,7 @@ mod tests {
 
     #[test]
     fn a_renewal_starts_a_new_window() {
-        let t0 = Instant::now();
+        let t0 = clock::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
         let mut seen = Seen {
             valid_until: None,

@@ -11,10 +11,10 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::discovery::{ApiResource, Discovery, Scope};
 use kube::Client;
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 
 use super::{kube_err, PluginError};
 use crate::api::{FencedLease, LEASE_LABEL};
+use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::FencingToken;
 
@@ -83,16 +83,16 @@ async fn wait_to_lead(
     what: &str,
     patience: Duration,
 ) -> Result<FencingToken, PluginError> {
-    let deadline = Instant::now() + patience;
+    let deadline = clock::now() + patience;
     loop {
-        if let Some(t) = state.borrow().leading_token(Instant::now()) {
+        if let Some(t) = state.borrow().leading_token(clock::now()) {
             return Ok(t.clone());
         }
-        let next = (Instant::now() + PROGRESS_EVERY).min(deadline);
-        match tokio::time::timeout_at(next, state.changed()).await {
+        let next = (clock::now() + PROGRESS_EVERY).min(deadline);
+        match tokio::time::timeout_at(clock::timer_for(next), state.changed()).await {
             Ok(Ok(())) => continue,
             Ok(Err(_)) => return Err(PluginError::NeverLed(what.to_string())),
-            Err(_) if Instant::now() >= deadline => {
+            Err(_) if clock::now() >= deadline => {
                 return Err(PluginError::NeverLed(what.to_string()))
             }
             Err(_) => {

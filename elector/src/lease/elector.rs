@@ -16,6 +16,7 @@ use tokio::sync::{watch, Notify};
 use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, instrument, warn};
 
+use super::clock;
 use super::rules::{
     candidate_decision, holder_decision, holder_view, lease_seconds, observer_lease_duration,
     recorded_seconds, Activity, CandidateAction, FencingToken, HeldFacts, HolderAction, Mono,
@@ -71,8 +72,8 @@ pub enum LeaderState {
         /// The token to present with every protected write.
         token: FencingToken,
         /// When leadership ends unless a renewal succeeds first: a safety margin before any
-        /// other participant could take over. Check it before acting (see
-        /// [`LeaderState::leading_token`]).
+        /// other participant could take over. On the clock of [`clock::now`] (CLOCK_BOOTTIME:
+        /// time in suspend counts); check it before acting (see [`LeaderState::leading_token`]).
         valid_until: Instant,
         /// Which of this participant's tenures: 1 for its first acquisition, one more for each
         /// later one. It stays the same while a tenure lasts, through spec edits that move the
@@ -82,8 +83,9 @@ pub enum LeaderState {
 }
 
 impl LeaderState {
-    /// The token if this participant leads *at `now`*. Checking the deadline here means that a
-    /// reader who was paused never acts on a claim that ran out while it slept.
+    /// The token if this participant leads *at `now`*, which comes from [`clock::now`] (not
+    /// `Instant::now()`: a suspend must count). Checking the deadline here means that a reader
+    /// who was paused, or whose machine slept, never acts on a claim that ran out meanwhile.
     pub fn leading_token(&self, now: Instant) -> Option<&FencingToken> {
         match self {
             LeaderState::Leading {
@@ -208,7 +210,7 @@ impl Elector {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
             incarnation: new_incarnation(),
-            origin: Instant::now(),
+            origin: clock::now(),
             state: tx,
             release: release.clone(),
             eligible: eligible_rx,
@@ -278,6 +280,7 @@ impl Elector {
         let mut eligible_open = true;
         tokio::pin!(shutdown);
         let mut listed_any = false;
+        let mut resumes = clock::Resumes::new();
         loop {
             let deadline = self.step().await;
             tokio::select! {
@@ -296,7 +299,7 @@ impl Elector {
                         let hold = self.latest.as_ref().map(|l| self.timing(l).lease_duration)
                             .unwrap_or(Duration::from_secs(15));
                         self.release("requested").await;
-                        self.hold_off_until = Some(Instant::now() + hold);
+                        self.hold_off_until = Some(clock::now() + hold);
                     }
                 }
                 ev = stream.next() => match ev {
@@ -315,14 +318,16 @@ impl Elector {
                     Some(Err(e)) => warn!(error = %e, "watching the FencedLease failed; retrying"),
                     None => return Err(Error::WatchEnded),
                 },
-                () = sleep_until(deadline) => {}
+                () = sleep_until(clock::timer_for(deadline)) => {}
+                // A timer armed before a suspend fires late: look again on resuming.
+                () = resumes.next() => {}
             }
         }
     }
 
     /// Takes in a newer view of the lease (from the watch or from a write's answer).
     fn saw(&mut self, obj: Option<FencedLease>) {
-        let now = self.mono(Instant::now());
+        let now = self.mono(clock::now());
         let Some(obj) = obj else {
             self.latest = None;
             self.obs = None;
@@ -377,7 +382,7 @@ impl Elector {
 
     /// Decides and acts once; returns when to look again (absent new events).
     async fn step(&mut self) -> Instant {
-        let now = Instant::now();
+        let now = clock::now();
         let idle = now + Duration::from_secs(3600);
         let Some(lease) = self.latest.clone() else {
             if self.tenure.is_some() {
@@ -544,9 +549,9 @@ impl Elector {
             Ok(Ok(obj)) => self.saw(obj),
             Ok(Err(e)) => {
                 warn!(error = %e, "re-reading the FencedLease failed");
-                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                self.retry_at = Some(clock::now() + RETRY_BACKOFF);
             }
-            Err(_) => self.retry_at = Some(Instant::now() + RETRY_BACKOFF),
+            Err(_) => self.retry_at = Some(clock::now() + RETRY_BACKOFF),
         }
     }
 
@@ -569,7 +574,7 @@ impl Elector {
             .insert(INCARNATION_ANNOTATION.into(), self.incarnation.clone());
         // The preferred holder had its chance (or is us): clear it so nobody steps down again.
         desired.spec.preferred_holder = None;
-        let sent = Instant::now();
+        let sent = clock::now();
         let res = timeout(
             timing.lease_duration,
             self.api
@@ -581,7 +586,7 @@ impl Elector {
                 let (Some(token), Some(uid)) = (acquired.token(), acquired.metadata.uid.clone())
                 else {
                     warn!("the API server answered without generation or uid");
-                    self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                    self.retry_at = Some(clock::now() + RETRY_BACKOFF);
                     return;
                 };
                 if token <= before {
@@ -591,7 +596,7 @@ impl Elector {
                         before, "the acquiring write did not raise the generation; not leading"
                     );
                     self.saw(Some(acquired));
-                    self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                    self.retry_at = Some(clock::now() + RETRY_BACKOFF);
                     return;
                 }
                 let tenure = Tenure::acquired(token, self.mono(sent), timing);
@@ -602,7 +607,7 @@ impl Elector {
                     token,
                     "acquired the lease; leading once a renewal records its duration"
                 );
-                if let Some(budget) = tenure.request_budget(self.mono(Instant::now())) {
+                if let Some(budget) = tenure.request_budget(self.mono(clock::now())) {
                     self.renew(acquired, tenure, budget, timing).await;
                 }
             }
@@ -613,11 +618,11 @@ impl Elector {
             Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.saw(None),
             Ok(Err(e)) => {
                 warn!(error = %e, "acquiring failed; retrying");
-                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                self.retry_at = Some(clock::now() + RETRY_BACKOFF);
             }
             Err(_) => {
                 warn!("acquiring timed out; retrying");
-                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                self.retry_at = Some(clock::now() + RETRY_BACKOFF);
             }
         }
     }
@@ -646,9 +651,9 @@ impl Elector {
             Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.saw(None),
             Ok(Err(e)) => {
                 warn!(error = %e, "clearing a stale claim failed; retrying");
-                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                self.retry_at = Some(clock::now() + RETRY_BACKOFF);
             }
-            Err(_) => self.retry_at = Some(Instant::now() + RETRY_BACKOFF),
+            Err(_) => self.retry_at = Some(clock::now() + RETRY_BACKOFF),
         }
     }
 
@@ -685,7 +690,7 @@ impl Elector {
         status.token = Some(tenure.token);
         status.renew_time = Some(MicroTime(wall));
         status.lease_duration_seconds = Some(recorded_seconds(timing.lease_duration));
-        let sent = Instant::now();
+        let sent = clock::now();
         let res = timeout(
             budget,
             self.api
@@ -711,7 +716,7 @@ impl Elector {
             }
             Ok(Err(e)) => {
                 warn!(error = %e, "renewal failed; retrying");
-                self.retry_at = Some(Instant::now() + RETRY_BACKOFF);
+                self.retry_at = Some(clock::now() + RETRY_BACKOFF);
             }
             Err(_) => warn!(?budget, "renewal took longer than the time left"),
         }
@@ -726,7 +731,7 @@ impl Elector {
             holder: None,
             token: None,
         });
-        let deadline = Instant::now() + RELEASE_TIMEOUT;
+        let deadline = clock::now() + RELEASE_TIMEOUT;
         for _ in 0..5 {
             let Some(lease) = self.latest.clone() else {
                 return;
@@ -736,7 +741,7 @@ impl Elector {
             }
             let mut desired = lease;
             desired.clear_holder();
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(clock::now());
             match timeout(
                 left,
                 self.api
@@ -912,14 +917,12 @@ mod sequences {
         let (mut e, h) =
             Elector::new(client(server.clone()), ElectorConfig::new(NS, NAME, ME)).unwrap();
         // (Not before the machine's boot: a fresh VM may be younger than 100 s.)
-        e.origin = Instant::now()
+        e.origin = clock::now()
             .checked_sub(Duration::from_secs(100))
             .unwrap_or(e.origin);
         let held = lease(3, &e.incarnation.clone(), "10");
         let timing = Timing::for_lease_seconds(10);
-        let sent = e
-            .mono(Instant::now())
-            .saturating_sub(Duration::from_secs(4));
+        let sent = e.mono(clock::now()).saturating_sub(Duration::from_secs(4));
         let tenure = Tenure::acquired(3, sent, timing).renewed(sent, timing);
         e.saw(Some(held.clone()));
         e.tenure = Some((tenure, "u1".into()));

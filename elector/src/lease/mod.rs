@@ -1,5 +1,7 @@
-//! The election protocol: pure rules ([`rules`]) and their Kubernetes I/O.
+//! The election protocol: pure rules ([`rules`]) and their Kubernetes I/O, on the clock of
+//! [`clock`] (CLOCK_BOOTTIME: time in suspend counts).
 
+pub mod clock;
 pub mod elector;
 pub mod rules;
 

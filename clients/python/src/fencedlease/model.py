@@ -145,5 +145,13 @@ class Disconnected:
         return False
 
 
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
 def now() -> float:
+    """Seconds on the clock every deadline is on: CLOCK_BOOTTIME where there is one (Linux),
+    which keeps counting while the machine is suspended, so a deadline that passed during a
+    suspend has passed on resuming; else the monotonic clock."""
+    if _BOOTTIME is not None:
+        return time.clock_gettime(_BOOTTIME)
     return time.monotonic()
