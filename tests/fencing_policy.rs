@@ -215,3 +215,83 @@ async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
     ]);
     assert!(ok, "{out}{err}");
 }
+
+/// With pods fenced in policy mode, a kubelet (a node identity, never exempt otherwise) reports
+/// a protected pod's status while it leaves the fencing label and annotations alone, as the
+/// webhook lets it; touching them through /status, it is judged like anyone, and so is anyone
+/// else's status write.
+#[tokio::test]
+async fn policy_mode_a_kubelet_reports_a_protected_pod_s_status_and_nothing_else() {
+    use common::fencing::{held_lease, protected_meta};
+    let client = common::client().await;
+    common::ensure_crd();
+    let ns = common::TestNamespace::new(&client, "vapkubelet").await;
+    let dir = common::procs::scratch_dir("vapkubelet");
+    let pods = r#"fencing.resources=[{"group":"","resource":"pods"}]"#;
+    let _policy =
+        common::policy::PolicyFence::start_with(&client, &dir, &ns.name, &["--set-json", pods])
+            .await;
+    let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+    let pods_api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns.name);
+    let spec =
+        json!({"nodeName": "n1", "containers": [{"name": "c", "image": "registry.invalid/x"}]});
+    // Judged once the binding is in effect: a dry run of an unstamped protected pod is refused.
+    let probe: k8s_openapi::api::core::v1::Pod = serde_json::from_value(
+        json!({"metadata": {"name": "probe", "labels": {LEASE: "inv"}}, "spec": spec}),
+    )
+    .expect("pod literal");
+    let dry = kube::api::PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    common::eventually(
+        Duration::from_secs(30),
+        "protected pods to be judged",
+        || async { pods_api.create(&dry, &probe).await.err().map(|_| ()) },
+    )
+    .await;
+    let pod = json!({"metadata": protected_meta("p", "inv", &a), "spec": spec});
+    create(&pods_api, pod)
+        .await
+        .expect("the holder creates the protected pod");
+    let status_patch = |who: Option<&str>, patch: serde_json::Value| {
+        let mut args = vec![
+            "-n",
+            ns.name.as_str(),
+            "patch",
+            "pod",
+            "p",
+            "--subresource=status",
+        ];
+        let body = patch.to_string();
+        args.extend(["--type=merge", "-p", body.as_str()]);
+        if let Some(user) = who {
+            args.extend([
+                "--as",
+                user,
+                "--as-group",
+                "system:nodes",
+                "--as-group",
+                "system:masters",
+            ]);
+        }
+        let (ok, _, err) = kubectl(&args);
+        (ok, err)
+    };
+    let kubelet = Some("system:node:n1");
+    let (ok, err) = status_patch(kubelet, json!({"status": {"message": "running"}}));
+    assert!(ok, "the kubelet's status report: {err}");
+    let (ok, err) = status_patch(
+        kubelet,
+        json!({"metadata": {"annotations": {"fencedlease.io/token": "99"}}, "status": {"message": "x"}}),
+    );
+    assert!(
+        !ok && err.contains("does not present a token"),
+        "a kubelet touching the token: {err}"
+    );
+    let (ok, err) = status_patch(Some("someone"), json!({"status": {"message": "y"}}));
+    assert!(
+        !ok && err.contains("does not present a token"),
+        "someone else's status write: {err}"
+    );
+}

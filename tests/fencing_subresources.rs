@@ -359,4 +359,34 @@ async fn hole_5_a_protected_pod_s_subresources_and_bindings_are_fenced() {
         bound.spec.and_then(|s| s.node_name).as_deref(),
         Some("node-1")
     );
+    // Its kubelet reports its status (a node identity, allowed for pods/status while it leaves
+    // the fencing alone), but may not touch the token through it.
+    let status = |patch: serde_json::Value| {
+        let body = patch.to_string();
+        common::kubectl(&[
+            "-n",
+            &ns.name,
+            "patch",
+            "pod",
+            "p",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &body,
+            "--as",
+            "system:node:node-1",
+            "--as-group",
+            "system:nodes",
+            "--as-group",
+            "system:masters",
+        ])
+    };
+    let (ok, _, err) = status(serde_json::json!({"status": {"message": "running"}}));
+    assert!(ok, "the kubelet's status report: {err}");
+    let touch = serde_json::json!({"metadata": {"annotations": {"fencedlease.io/token": "99"}}});
+    let (ok, _, err) = status(touch);
+    assert!(
+        !ok && err.contains("does not present a token"),
+        "the kubelet touching the token: {err}"
+    );
 }

@@ -41,11 +41,17 @@ pub async fn require_policy_api(client: &Client) {
 /// The chart's fencing policy as `helm template` renders it for a release named `release`,
 /// judging only namespace `ns` (the tests' namespaces are labelled with their own name).
 pub fn render_policy(release: &str, ns: &str) -> String {
+    render_policy_with(release, ns, &[])
+}
+
+/// [`render_policy`] with more `helm template` arguments (`--set-json fencing.resources=...`).
+pub fn render_policy_with(release: &str, ns: &str, extra: &[&str]) -> String {
     let selector = format!(r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{ns}"}}}}"#);
-    helm_ok(&[
+    let (chart, selector) = (chart(), format!("fencing.namespaceSelector={selector}"));
+    let mut args = vec![
         "template",
         release,
-        &chart(),
+        &chart,
         "--namespace",
         ns,
         "--set",
@@ -54,23 +60,31 @@ pub fn render_policy(release: &str, ns: &str) -> String {
         "--set",
         "fencing.excludeReleaseNamespace=false",
         "--set-json",
-        &format!("fencing.namespaceSelector={selector}"),
+        &selector,
         "--api-versions",
         "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
         "--show-only",
         "templates/fencing-policy.yaml",
-    ])
+    ];
+    args.extend_from_slice(extra);
+    helm_ok(&args)
 }
 
 impl PolicyFence {
     /// Installs the policy for namespace `ns` and starts the controller that binds it.
     pub async fn start(client: &Client, dir: &Path, ns: &str) -> PolicyFence {
+        PolicyFence::start_with(client, dir, ns, &[]).await
+    }
+
+    /// [`PolicyFence::start`] with the policy rendered with more `helm template` arguments.
+    pub async fn start_with(client: &Client, dir: &Path, ns: &str, extra: &[&str]) -> PolicyFence {
         require_policy_api(client).await;
         let suffix = ns.rsplit('-').next().expect("namespace suffix");
         let release = format!("vap-{suffix}");
         let name = format!("{release}-fencedlease-fencing");
         let file = dir.join("policy.yaml");
-        std::fs::write(&file, render_policy(&release, ns)).expect("write the rendered policy");
+        std::fs::write(&file, render_policy_with(&release, ns, extra))
+            .expect("write the rendered policy");
         let (ok, _, err) = super::kubectl(&["apply", "-f", file.to_str().expect("utf-8")]);
         assert!(ok, "installing the fencing policy failed: {err}");
         // The API server type-checks the CEL against the matched types: no warnings.
