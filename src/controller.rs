@@ -91,6 +91,12 @@ pub struct ControllerArgs {
     #[arg(long, default_value_t = 30, requires = "fencing_policy",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub fencing_policy_sweep_seconds: u64,
+    /// A namespace the fencing leaves out (the chart passes fencing.excludeNamespaces and, by
+    /// default, its own): FencedLeases there get the condition Fenced=False and a Warning
+    /// Event, since their tokens guard nothing. Repeat for each; none given: no Fenced
+    /// condition at all (the controller cannot tell).
+    #[arg(long = "unfenced-namespace", value_name = "NAMESPACE")]
+    pub unfenced_namespaces: Vec<String>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -245,6 +251,8 @@ pub struct Context {
     pods: Mutex<PodIndex>,
     /// Policy mode: the fencing policy's bindings, one per lease.
     bindings: Option<Arc<crate::policy::Bindings>>,
+    /// The namespaces the fencing leaves out, when known (`--unfenced-namespace`).
+    unfenced: Option<std::collections::BTreeSet<String>>,
 }
 
 impl Context {
@@ -264,7 +272,14 @@ impl Context {
             seen: Mutex::new(HashMap::new()),
             pods: Mutex::new(PodIndex::default()),
             bindings: None,
+            unfenced: None,
         }
+    }
+
+    /// Knows which namespaces the fencing leaves out (none given: it does not know).
+    pub fn with_unfenced(mut self, namespaces: &[String]) -> Context {
+        self.unfenced = (!namespaces.is_empty()).then(|| namespaces.iter().cloned().collect());
+        self
     }
 
     /// Keeps the fencing policy's bindings too (policy mode).
@@ -497,6 +512,34 @@ struct LeaseReconcile<'a> {
 }
 
 impl<'a> LeaseReconcile<'a> {
+    fn fenced(&self) -> Option<Condition> {
+        fenced_condition(self.lease, self.ctx.unfenced.as_ref())
+    }
+
+    /// A Warning Event when the lease's namespace is left out of fencing, once: when its
+    /// status does not say so yet.
+    async fn warn_unfenced(&self) {
+        let Some(c) = self.fenced().filter(|c| c.status == "False") else {
+            return;
+        };
+        let said = self.lease.status.as_ref().is_some_and(|s| {
+            s.conditions
+                .iter()
+                .any(|x| x.type_ == c.type_ && x.status == c.status)
+        });
+        if !said {
+            warn!(lease = %self.lease.name_any(), ns = %self.ns, "a FencedLease in a namespace the fencing leaves out");
+            publish_event(
+                self.ctx,
+                self.lease,
+                EventType::Warning,
+                NOT_FENCED,
+                c.message,
+            )
+            .await;
+        }
+    }
+
     fn new(lease: &'a FencedLease, ctx: &'a Context) -> Result<Self, Error> {
         let ns = lease.namespace().ok_or(Error::NoNamespace)?;
         let mono = Instant::now().saturating_duration_since(ctx.origin);
@@ -559,7 +602,8 @@ impl<'a> LeaseReconcile<'a> {
                 s.dead_revoked = Some((h, mono));
             }
         });
-        let status = write_status(&self.api, &revoked, Some(cause)).await;
+        let fenced = fenced_condition(&revoked, self.ctx.unfenced.as_ref());
+        let status = write_status(&self.api, &revoked, Some(cause), fenced).await;
         publish(
             self.ctx,
             self.lease,
@@ -633,7 +677,7 @@ impl Steps for LeaseReconcile<'_> {
                 if let Some(death) = self.known_death(wait).await? {
                     return self.revoke(Cause::HolderDead(death), wait).await;
                 }
-                write_status(&self.api, lease, None).await?;
+                write_status(&self.api, lease, None, self.fenced()).await?;
                 Ok(Next::Requeue(
                     at.saturating_sub(self.mono) + Duration::from_millis(1),
                 ))
@@ -642,13 +686,14 @@ impl Steps for LeaseReconcile<'_> {
                 let revoked = self.seen.revoked_generation.is_some()
                     && self.seen.revoked_generation == lease.metadata.generation;
                 let cause = revoked.then_some(self.seen.revoked_for);
-                write_status(&self.api, lease, cause).await?;
+                write_status(&self.api, lease, cause, self.fenced()).await?;
                 Ok(Next::AwaitChange)
             }
         }
     }
 
     async fn announce(&mut self) {
+        self.warn_unfenced().await;
         let Some((prev_holder, prev_preferred)) = &self.seen.previous else {
             return;
         };
@@ -768,10 +813,11 @@ async fn write_status(
     api: &Api<FencedLease>,
     lease: &FencedLease,
     revoked: Option<Cause>,
+    fenced: Option<Condition>,
 ) -> Result<(), Error> {
     let status = lease.status.clone().unwrap_or_default();
     let generation = lease.metadata.generation;
-    let desired = desired_conditions(lease, revoked);
+    let desired = desired_conditions(lease, revoked, fenced);
     let merged = merge_conditions(&status.conditions, desired);
     let lease_duration = observer_duration(lease, lease_seconds(lease.spec.lease_duration_seconds));
     let expiry = lease.holder().map(|_| {
@@ -824,10 +870,47 @@ async fn write_status(
     }
 }
 
-fn desired_conditions(lease: &FencedLease, revoked: Option<Cause>) -> Vec<Condition> {
+fn desired_conditions(
+    lease: &FencedLease,
+    revoked: Option<Cause>,
+    fenced: Option<Condition>,
+) -> Vec<Condition> {
     let mut conds = holding_conditions(lease, revoked);
     conds.push(handover_condition(lease));
+    conds.extend(fenced);
     conds
+}
+
+/// The reason of a False `Fenced` condition (and of its Warning Event).
+const NOT_FENCED: &str = "NamespaceNotFenced";
+
+/// The `Fenced` condition, when the namespaces the fencing leaves out are known: False in one
+/// of them, where the API server never asks the webhook or the policy about a write, so the
+/// lease's token guards nothing.
+fn fenced_condition(
+    lease: &FencedLease,
+    unfenced: Option<&std::collections::BTreeSet<String>>,
+) -> Option<Condition> {
+    let unfenced = unfenced?;
+    let ns = lease.namespace().unwrap_or_default();
+    let g = lease.metadata.generation;
+    Some(if unfenced.contains(&ns) {
+        condition(
+            "Fenced",
+            false,
+            NOT_FENCED,
+            format!("namespace {ns} is left out of fencing (the chart's fencing.excludeNamespaces, or the release's own namespace): writes to objects labelled for this lease there are never judged, so its token guards nothing; move the lease and its objects to a fenced namespace"),
+            g,
+        )
+    } else {
+        condition(
+            "Fenced",
+            true,
+            "NamespaceNotExcluded",
+            format!("namespace {ns} is not excluded from fencing (fencing.namespaceSelector may still leave it out: kubectl fencedlease -n {ns} check probes the fence)"),
+            g,
+        )
+    })
 }
 
 /// Explains a requested handover, including one to a preferred holder that never comes.
@@ -1170,7 +1253,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
             args.namespace.clone(),
         ))
     });
-    let ctx = Arc::new(Context::new(client.clone(), metrics, &identity).with_bindings(bindings));
+    let ctx = Arc::new(
+        Context::new(client.clone(), metrics, &identity)
+            .with_bindings(bindings)
+            .with_unfenced(&args.unfenced_namespaces),
+    );
     ready.set(true);
     let active = Active {
         args: &args,
@@ -1359,6 +1446,35 @@ impl Term<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_in_a_namespace_left_out_of_fencing_is_said_to_be_unfenced() {
+        let mut lease = FencedLease::new("db", crate::api::FencedLeaseSpec::free());
+        lease.metadata.namespace = Some("kube-system".into());
+        lease.metadata.generation = Some(3);
+        let out: std::collections::BTreeSet<String> =
+            ["kube-system", "fencedlease"].map(String::from).into();
+        let c = fenced_condition(&lease, Some(&out)).expect("known");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", NOT_FENCED)
+        );
+        assert!(
+            c.message
+                .contains("namespace kube-system is left out of fencing"),
+            "{}",
+            c.message
+        );
+        assert_eq!(c.observed_generation, Some(3));
+        lease.metadata.namespace = Some("shop".into());
+        let c = fenced_condition(&lease, Some(&out)).expect("known");
+        assert_eq!(c.status, "True");
+        // Not told which namespaces are left out: no claim either way.
+        assert!(fenced_condition(&lease, None).is_none());
+        assert!(desired_conditions(&lease, None, None)
+            .iter()
+            .all(|c| c.type_ != "Fenced"));
+    }
 
     #[test]
     fn a_term_ends_when_leadership_does_by_news_or_by_deadline() {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::procs::{campaign, controller, controller_with, scratch_dir};
 use common::{client, ensure_crd, eventually, TestNamespace};
+use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::PostParams;
@@ -342,4 +343,69 @@ async fn one_of_two_replicas_is_active_and_sigterm_hands_over() {
         "took {:?}",
         t0.elapsed()
     );
+}
+
+/// A FencedLease in a namespace the fencing leaves out (kube-system and the release's own, by
+/// default) guards nothing: the controller says so with the condition Fenced=False and a
+/// Warning Event (issue 33, residual 11).
+#[tokio::test]
+async fn a_lease_where_nothing_is_fenced_gets_a_warning() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "unfenced").await;
+    let other = TestNamespace::new(&client, "fenced").await;
+    let dir = scratch_dir("unfenced");
+    let flag = format!("--unfenced-namespace={}", ns.name);
+    let _c = common::procs::controller_with(&dir, &ns.name, "ctl", &[flag.as_str()]);
+    let _c2 = common::procs::controller_with(&dir, &other.name, "ctl2", &[flag.as_str()]);
+    for n in [&ns.name, &other.name] {
+        Api::<FencedLease>::namespaced(client.clone(), n)
+            .create(
+                &PostParams::default(),
+                &FencedLease::new("db", FencedLeaseSpec::free()),
+            )
+            .await
+            .expect("create the lease");
+    }
+    let fenced = |n: String| {
+        let api: Api<FencedLease> = Api::namespaced(client.clone(), &n);
+        async move {
+            let l = api.get("db").await.ok()?;
+            let c = l
+                .status?
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "Fenced")?;
+            Some((c.status, c.reason))
+        }
+    };
+    let got = eventually(Duration::from_secs(20), "the Fenced condition", || {
+        fenced(ns.name.clone())
+    })
+    .await;
+    assert_eq!(got, ("False".to_string(), "NamespaceNotFenced".to_string()));
+    let got = eventually(Duration::from_secs(20), "the Fenced condition", || {
+        fenced(other.name.clone())
+    })
+    .await;
+    assert_eq!(got.0, "True");
+    eventually(
+        Duration::from_secs(20),
+        "a NamespaceNotFenced Warning",
+        || async {
+            let (ok, out, _) = common::kubectl(&[
+                "get",
+                "events",
+                "-n",
+                &ns.name,
+                "--field-selector",
+                "type=Warning",
+                "-o",
+                "custom-columns=R:.reason,M:.message",
+            ]);
+            (ok && out.contains("NamespaceNotFenced") && out.contains("guards nothing"))
+                .then_some(())
+        },
+    )
+    .await;
 }

@@ -404,13 +404,9 @@ empty lease label as none, and tells an absent annotation from an empty one.
 {{ join " && " $same }}
 {{- end -}}
 
-{{/*
-The namespaceSelector of the fencing webhooks and policy: fencing.namespaceSelector, with the
-excluded namespaces (fencing.excludeNamespaces, and the release's own unless
-fencing.excludeReleaseNamespace is false) added as a NotIn on kubernetes.io/metadata.name.
-*/}}
-{{- define "fencedlease.fencingNamespaceSelector" -}}
-{{- $sel := deepCopy (.Values.fencing.namespaceSelector | default dict) -}}
+{{/* The namespaces never fenced, as a JSON list: fencing.excludeNamespaces, and the release's
+own unless fencing.excludeReleaseNamespace is false. */}}
+{{- define "fencedlease.unfencedNamespaces" -}}
 {{- $excluded := list -}}
 {{- range .Values.fencing.excludeNamespaces -}}
 {{- $excluded = append $excluded . -}}
@@ -418,6 +414,17 @@ fencing.excludeReleaseNamespace is false) added as a NotIn on kubernetes.io/meta
 {{- if .Values.fencing.excludeReleaseNamespace -}}
 {{- $excluded = append $excluded .Release.Namespace -}}
 {{- end -}}
+{{- $excluded | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+The namespaceSelector of the fencing webhooks and policy: fencing.namespaceSelector, with the
+excluded namespaces (fencedlease.unfencedNamespaces) added as a NotIn on
+kubernetes.io/metadata.name.
+*/}}
+{{- define "fencedlease.fencingNamespaceSelector" -}}
+{{- $sel := deepCopy (.Values.fencing.namespaceSelector | default dict) -}}
+{{- $excluded := include "fencedlease.unfencedNamespaces" . | fromJsonArray -}}
 {{- if $excluded -}}
 {{- $exprs := get $sel "matchExpressions" | default list -}}
 {{- $not := dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" ($excluded | uniq) -}}
