@@ -343,6 +343,7 @@ async fn release(
         eprintln!("not revoked");
         return Ok(ExitCode::FAILURE);
     }
+    let incarnation = lease.holder_incarnation().map(str::to_string);
     let mut current = lease;
     for _ in 0..RELEASE_ATTEMPTS {
         let action = format!("revoking {ns}/{name}");
@@ -357,8 +358,11 @@ async fn release(
             }
             Revocation::Raced => current = get(leases, ns, name).await?,
         }
-        // Revoke only the holder that was confirmed.
-        if current.holder() != Some(holder.as_str()) {
+        // Revoke only the tenure that was confirmed: the same holder, and the same process of
+        // it (a StatefulSet pod re-created under its name is another tenure).
+        if current.holder() != Some(holder.as_str())
+            || current.holder_incarnation() != incarnation.as_deref()
+        {
             let now = current.holder().unwrap_or("nobody");
             println!("{ns}/{name} changed hands meanwhile ({now} holds it now): not revoked");
             return Ok(ExitCode::FAILURE);
