@@ -268,7 +268,7 @@ impl Context {
             client,
             recorder,
             metrics,
-            origin: Instant::now(),
+            origin: crate::lease::clock::now(),
             seen: Mutex::new(HashMap::new()),
             pods: Mutex::new(PodIndex::default()),
             bindings: None,
@@ -542,7 +542,7 @@ impl<'a> LeaseReconcile<'a> {
 
     fn new(lease: &'a FencedLease, ctx: &'a Context) -> Result<Self, Error> {
         let ns = lease.namespace().ok_or(Error::NoNamespace)?;
-        let mono = Instant::now().saturating_duration_since(ctx.origin);
+        let mono = crate::lease::clock::now().saturating_duration_since(ctx.origin);
         let key = key(lease);
         let seen = remember(ctx, &key, lease, mono);
         Ok(LeaseReconcile {
@@ -884,31 +884,22 @@ fn desired_conditions(
 /// The reason of a False `Fenced` condition (and of its Warning Event).
 const NOT_FENCED: &str = "NamespaceNotFenced";
 
-/// The `Fenced` condition, when the namespaces the fencing leaves out are known: False in one
-/// of them, where the API server never asks the webhook or the policy about a write, so the
-/// lease's token guards nothing.
+/// The `Fenced` condition, False, for a lease in a namespace the fencing leaves out, where the
+/// API server never asks the webhook or the policy about a write, so the lease's token guards
+/// nothing. Elsewhere no condition: the controller cannot tell that a namespace *is* fenced
+/// (fencing.namespaceSelector may leave it out too; `kubectl fencedlease check` probes that).
 fn fenced_condition(
     lease: &FencedLease,
     unfenced: Option<&std::collections::BTreeSet<String>>,
 ) -> Option<Condition> {
-    let unfenced = unfenced?;
     let ns = lease.namespace().unwrap_or_default();
-    let g = lease.metadata.generation;
-    Some(if unfenced.contains(&ns) {
+    unfenced?.contains(&ns).then(|| {
         condition(
             "Fenced",
             false,
             NOT_FENCED,
             format!("namespace {ns} is left out of fencing (the chart's fencing.excludeNamespaces, or the release's own namespace): writes to objects labelled for this lease there are never judged, so its token guards nothing; move the lease and its objects to a fenced namespace"),
-            g,
-        )
-    } else {
-        condition(
-            "Fenced",
-            true,
-            "NamespaceNotExcluded",
-            format!("namespace {ns} is not excluded from fencing (fencing.namespaceSelector may still leave it out: kubectl fencedlease -n {ns} check probes the fence)"),
-            g,
+            lease.metadata.generation,
         )
     })
 }
@@ -1466,9 +1457,9 @@ mod tests {
             c.message
         );
         assert_eq!(c.observed_generation, Some(3));
+        // Elsewhere no claim: the namespace selector may leave it out too.
         lease.metadata.namespace = Some("shop".into());
-        let c = fenced_condition(&lease, Some(&out)).expect("known");
-        assert_eq!(c.status, "True");
+        assert!(fenced_condition(&lease, Some(&out)).is_none());
         // Not told which namespaces are left out: no claim either way.
         assert!(fenced_condition(&lease, None).is_none());
         assert!(desired_conditions(&lease, None, None)

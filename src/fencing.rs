@@ -336,6 +336,9 @@ pub const DEFAULT_EXEMPT_USERS: &[&str] = &[
     "system:serviceaccount:kube-system:namespace-controller",
     "system:serviceaccount:kube-system:ttl-after-finished-controller",
     "system:serviceaccount:kube-system:pod-garbage-collector",
+    // Evict the pods of a dead node (1.29 and later; before, the node controller did).
+    "system:serviceaccount:kube-system:taint-eviction-controller",
+    "system:serviceaccount:kube-system:node-controller",
 ];
 
 /// Why an exemption is refused.

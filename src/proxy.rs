@@ -63,13 +63,15 @@ pub fn check_pin(
 
 /// Whether a write without a pin may go out in the pod's tenure `tenure` (see
 /// [`LeaderState::Leading`]), given the tenure the app last showed it knows (`acknowledged`, 0
-/// for none). The sidecar's first tenure needs no acknowledgement: the app can have decided
-/// nothing under an earlier one of this sidecar. A later tenure follows a loss, and a write the
-/// app decided before that loss would go out stamped with the new token, over the work of
-/// whoever led in between: such writes wait until the app acknowledges the tenure
-/// (`POST /v1/acknowledge` on the sidecar's API, or a write pinned to the current token).
-pub fn admits_unpinned(tenure: u64, acknowledged: u64) -> bool {
-    tenure <= 1 || tenure == acknowledged
+/// for none) and whether an earlier run of the sidecar in this pod had led (`led_before`). The
+/// first tenure of a sidecar that is the pod's first to lead needs no acknowledgement: the app
+/// can have decided nothing under an earlier one. Any other tenure follows a loss (or a restart
+/// of the sidecar that led), and a write the app decided before it would go out stamped with the
+/// new token, over the work of whoever led in between: such writes wait until the app
+/// acknowledges the tenure (`POST /v1/acknowledge` on the sidecar's API, or a write pinned to
+/// the current token).
+pub fn admits_unpinned(tenure: u64, acknowledged: u64, led_before: bool) -> bool {
+    (tenure <= 1 && !led_before) || tenure == acknowledged
 }
 
 /// Which tenure the app last showed it knows: shared by the proxy and the sidecar's API.
@@ -106,6 +108,8 @@ struct Proxy {
     /// `--proxy-allow-unacknowledged`: send unpinned writes in every tenure (the hand-back
     /// window stays open).
     allow_unacknowledged: bool,
+    /// An earlier run of the sidecar in this pod had led (see [`admits_unpinned`]).
+    led_before: bool,
 }
 
 impl Proxy {
@@ -124,7 +128,9 @@ impl Proxy {
             self.acknowledged.set(tenure);
             return None;
         }
-        if self.allow_unacknowledged || admits_unpinned(tenure, self.acknowledged.get()) {
+        if self.allow_unacknowledged
+            || admits_unpinned(tenure, self.acknowledged.get(), self.led_before)
+        {
             return None;
         }
         Some(format!(
@@ -224,39 +230,101 @@ pub fn announcement(token: &FencingToken) -> Value {
     }}})
 }
 
-/// Before a delete: reads the object at `path` and, if it is protected, announces the delete
-/// in a fenced merge patch. A path that names a collection (a deletecollection) or an object
-/// that cannot be read is left to the delete itself (the API server answers it; the webhook
-/// refuses a protected object's unannounced delete). The refusal of the announcement, if any,
-/// is the answer.
-async fn announce_delete(p: &Proxy, path: &str, token: &FencingToken) -> Result<(), Response> {
-    let get = axum::http::Request::get(format!("{path}?limit=1")).body(Vec::new());
-    let Ok(get) = get else { return Ok(()) };
-    let Ok(stored) = p.client.request::<Value>(get).await else {
-        return Ok(());
+/// The `preconditions.resourceVersion` of a delete's body (DeleteOptions), if it has one.
+pub fn precondition_of(body: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v["preconditions"]["resourceVersion"]
+        .as_str()
+        .map(str::to_string)
+}
+
+/// The delete's body with its `preconditions.resourceVersion` (if it has one) moved to `rv`,
+/// the version the announcement wrote: the client's precondition was checked against the
+/// version before it.
+pub fn with_precondition(body: Vec<u8>, rv: &str) -> Vec<u8> {
+    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
+        return body;
     };
-    if protected_by(&stored).is_none() {
-        return Ok(());
+    if v["preconditions"]["resourceVersion"].is_string() {
+        v["preconditions"]["resourceVersion"] = json!(rv);
+        return serde_json::to_vec(&v).unwrap_or(body);
     }
-    let patch = axum::http::Request::patch(path)
-        .header(header::CONTENT_TYPE, "application/merge-patch+json")
-        .body(announcement(token).to_string().into_bytes());
-    let Ok(patch) = patch else { return Ok(()) };
-    match p.client.request::<Value>(patch).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) => Err(status(
+    body
+}
+
+fn refused_by_api(what: &str, e: kube::Error) -> Response {
+    match e {
+        kube::Error::Api(e) => status(
             StatusCode::from_u16(e.code).unwrap_or(StatusCode::BAD_GATEWAY),
             &e.reason,
-            format!(
-                "fencedlease sidecar: announcing the delete was refused: {}",
-                e.message
-            ),
-        )),
-        Err(e) => Err(status(
+            format!("fencedlease sidecar: {what} was refused: {}", e.message),
+        ),
+        e => status(
             StatusCode::BAD_GATEWAY,
             "ServiceUnavailable",
-            format!("fencedlease sidecar: announcing the delete failed: {e}; retry the delete"),
-        )),
+            format!("fencedlease sidecar: {what} failed: {e}; retry the delete"),
+        ),
+    }
+}
+
+/// Before a delete: reads the object at `path` and, if it is protected, announces the delete
+/// in a fenced merge patch, conditional on the version read (and on the client's own
+/// `resourceVersion` precondition, checked here first). Returns the version the announcement
+/// wrote, for the delete's precondition; None when nothing was announced: a path that names a
+/// collection (a deletecollection: its protected items are refused), or an object that cannot
+/// be read, is left to the delete itself (the API server answers it; the webhook refuses a
+/// protected object's unannounced delete).
+async fn announce_delete(
+    p: &Proxy,
+    path: &str,
+    token: &FencingToken,
+    precondition: Option<&str>,
+) -> Result<Option<String>, Response> {
+    let get = axum::http::Request::get(format!("{path}?limit=1")).body(Vec::new());
+    let Ok(get) = get else { return Ok(None) };
+    let Ok(stored) = p.client.request::<Value>(get).await else {
+        return Ok(None);
+    };
+    if protected_by(&stored).is_none() {
+        return Ok(None);
+    }
+    let rv = stored["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap_or_default();
+    if let Some(want) = precondition.filter(|want| *want != rv) {
+        return Err(status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            format!("fencedlease sidecar: the delete's precondition names resourceVersion {want}, and the object is at {rv}: it was modified; read it again"),
+        ));
+    }
+    let mut announcement = announcement(token);
+    announcement["metadata"]["resourceVersion"] = json!(rv);
+    let patch = axum::http::Request::patch(path)
+        .header(header::CONTENT_TYPE, "application/merge-patch+json")
+        .body(announcement.to_string().into_bytes());
+    let Ok(patch) = patch else { return Ok(None) };
+    match p.client.request::<Value>(patch).await {
+        Ok(written) => Ok(written["metadata"]["resourceVersion"]
+            .as_str()
+            .map(str::to_string)),
+        Err(e) => Err(refused_by_api("announcing the delete", e)),
+    }
+}
+
+/// After an announced delete failed: takes the announcement back with a fenced write, so that
+/// no later delete (by anyone) can ride on it. Best effort: the next write of the object takes
+/// it back too.
+async fn withdraw_announcement(p: &Proxy, path: &str, token: &FencingToken) {
+    let mut patch = announcement(token);
+    patch["metadata"]["annotations"][DELETE_INTENT_ANNOTATION] = Value::Null;
+    let req = axum::http::Request::patch(path)
+        .header(header::CONTENT_TYPE, "application/merge-patch+json")
+        .body(patch.to_string().into_bytes());
+    if let Ok(req) = req {
+        if let Err(e) = p.client.request::<Value>(req).await {
+            tracing::warn!(%path, error = %e, "could not take back the announcement of a delete that failed; the object's next write takes it back");
+        }
     }
 }
 
@@ -286,15 +354,21 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
             );
         }
     }
-    if let (&Method::DELETE, Some(t)) = (&parts.method, &token) {
-        if let Err(refusal) = announce_delete(&p, parts.uri.path(), t).await {
-            return refusal;
-        }
-    }
-    let body = match upstream_body(&parts, body, token.as_ref()).await {
+    let mut body = match upstream_body(&parts, body, token.as_ref()).await {
         Ok(b) => b,
         Err(refusal) => return refusal,
     };
+    let mut announced = None;
+    if let (&Method::DELETE, Some(t)) = (&parts.method, &token) {
+        match announce_delete(&p, parts.uri.path(), t, precondition_of(&body).as_deref()).await {
+            Ok(Some(rv)) => {
+                body = with_precondition(body, &rv);
+                announced = Some(t.clone());
+            }
+            Ok(None) => {}
+            Err(refusal) => return refusal,
+        }
+    }
     let upstream = match upstream_request(&parts, body) {
         Ok(r) => r,
         Err(e) => {
@@ -307,6 +381,9 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     };
     match p.client.send(upstream.map(kube::client::Body::from)).await {
         Ok(resp) => {
+            if let (Some(t), false) = (&announced, resp.status().is_success()) {
+                withdraw_announcement(&p, parts.uri.path(), t).await;
+            }
             let (parts, body) = resp.into_parts();
             Response::from_parts(parts, Body::new(body))
         }
@@ -407,6 +484,8 @@ pub struct ProxyConfig {
     pub namespace: String,
     pub acknowledged: Acknowledged,
     pub allow_unacknowledged: bool,
+    /// An earlier run of the sidecar in this pod had led (its token directory says so).
+    pub led_before: bool,
 }
 
 /// The proxy's router.
@@ -418,6 +497,7 @@ pub fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
         namespace: cfg.namespace,
         acknowledged: cfg.acknowledged,
         allow_unacknowledged: cfg.allow_unacknowledged,
+        led_before: cfg.led_before,
     }))
 }
 
@@ -427,18 +507,24 @@ mod tests {
 
     #[test]
     fn unpinned_writes_wait_for_the_app_after_a_loss() {
-        // (tenure, acknowledged, sent)
+        // (tenure, acknowledged, an earlier run of the sidecar had led, sent)
         #[rustfmt::skip]
         let table = [
-            (1, 0, true),  // the sidecar's first tenure: nothing the app decided can be older
-            (2, 0, false), // the lease came back: not until the app shows it knows
-            (2, 1, false), // it acknowledged an earlier tenure only
-            (2, 2, true),
-            (5, 2, false),
-            (5, 5, true),
+            (1, 0, false, true),  // the pod's first tenure: nothing the app decided is older
+            (1, 0, true, false),  // a restarted sidecar's first: the app may hold old writes
+            (1, 1, true, true),
+            (2, 0, false, false), // the lease came back: not until the app shows it knows
+            (2, 1, false, false), // it acknowledged an earlier tenure only
+            (2, 2, false, true),
+            (5, 2, true, false),
+            (5, 5, true, true),
         ];
-        for (tenure, acked, sent) in table {
-            assert_eq!(admits_unpinned(tenure, acked), sent, "{tenure} {acked}");
+        for (tenure, acked, led, sent) in table {
+            assert_eq!(
+                admits_unpinned(tenure, acked, led),
+                sent,
+                "{tenure} {acked} {led}"
+            );
         }
     }
 
@@ -499,6 +585,30 @@ mod tests {
             a[WRITE_ID_ANNOTATION], b[WRITE_ID_ANNOTATION],
             "a new id each time"
         );
+    }
+
+    #[test]
+    fn a_delete_s_own_precondition_moves_to_the_announced_version() {
+        let body =
+            br#"{"kind":"DeleteOptions","preconditions":{"resourceVersion":"41","uid":"u"}}"#;
+        assert_eq!(precondition_of(body).as_deref(), Some("41"));
+        let moved: Value =
+            serde_json::from_slice(&with_precondition(body.to_vec(), "42")).expect("json");
+        assert_eq!(moved["preconditions"]["resourceVersion"], "42");
+        assert_eq!(moved["preconditions"]["uid"], "u");
+        for other in [
+            &b""[..],
+            b"{}",
+            br#"{"preconditions":{"uid":"u"}}"#,
+            b"not json",
+        ] {
+            assert_eq!(precondition_of(other), None);
+            assert_eq!(
+                with_precondition(other.to_vec(), "42"),
+                other.to_vec(),
+                "left alone"
+            );
+        }
     }
 
     #[test]

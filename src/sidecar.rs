@@ -400,8 +400,18 @@ fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// A file the sidecar leaves in its token directory once it has led, and never removes: the
+/// directory outlives a restart of the sidecar's container (an emptyDir), so a restarted
+/// sidecar knows that the app may hold writes decided under an earlier run's tenure, and its
+/// API proxy does not take its own first tenure for the app's first ([`crate::proxy`]).
+pub const LED_MARKER: &str = "led-before";
+
 fn write_token_files(dir: &Path, token: i64, uid: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
+    let marker = dir.join(LED_MARKER);
+    if !marker.exists() {
+        std::fs::write(&marker, "")?;
+    }
     // lease-uid first: a reader that sees the token finds the matching uid already there.
     write_atomic(&dir.join("lease-uid"), &format!("{uid}\n"))?;
     write_atomic(&dir.join("token"), &format!("{token}\n"))
@@ -523,6 +533,7 @@ fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListene
 pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     // First of all: until this sidecar leads, no token file may say that it does.
     clear_stale_token_files(&args.token_dir)?;
+    let led_before = args.token_dir.join(LED_MARKER).exists();
     let health_url = check_args(&args)?;
     let identity = args
         .identity
@@ -534,7 +545,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     let (shared, gauges) = shared_state(&args, identity, &handle);
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
-    let servers = Servers::start(&args, rt.client().clone(), shared, stop).await?;
+    let servers = Servers::start(&args, rt.client().clone(), shared, stop, led_before).await?;
     if !args.keep_startup_memory {
         tokio::spawn(trim_after_startup(stop.clone()));
     }
@@ -704,6 +715,7 @@ impl Servers {
         client: kube::Client,
         shared: Arc<Shared>,
         stop: &CancellationToken,
+        led_before: bool,
     ) -> anyhow::Result<Self> {
         // The probe endpoint's /metrics: what a Prometheus on the pod network may scrape. The
         // token is left out: it grants nothing by itself (a write still needs RBAC rights to the
@@ -720,6 +732,7 @@ impl Servers {
             namespace: args.namespace.clone(),
             acknowledged: shared.acknowledged.clone(),
             allow_unacknowledged: args.proxy_allow_unacknowledged,
+            led_before,
         };
         let api = serve_api(args, shared, stop.clone()).await?;
         let proxy = match args.proxy_listen {

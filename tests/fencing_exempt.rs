@@ -252,6 +252,27 @@ async fn an_autoscaler_of_a_protected_deployment_is_judged_by_its_lease() {
     fenced_merge(&hpas, "web", &b, floor)
         .await
         .expect("B's autoscaler change");
+    // The autoscaler controller finds its target by group and kind in any served version: an
+    // apiVersion nobody serves does not hide a protected target.
+    let mut unserved = hpa("v9", "web", serde_json::json!({}));
+    unserved["spec"]["scaleTargetRef"]["apiVersion"] = "apps/v9".into();
+    let r = create(&hpas, unserved).await;
+    assert_refused(
+        "an autoscaler naming apps/v9",
+        r,
+        403,
+        "this autoscaler scales Deployment",
+    );
+    // An autoscaler labelled for a lease is protected by it, whatever it scales.
+    let mut own = hpa("own", "plain", serde_json::json!({}));
+    own["metadata"]["labels"] = serde_json::json!({"fencedlease.io/lease": "inv"});
+    let r = create(&hpas, own).await;
+    assert_refused(
+        "an unstamped autoscaler labelled for the lease",
+        r,
+        403,
+        "must carry the holder's token",
+    );
     // Pointing the unprotected Deployment's autoscaler at the protected one is judged too.
     let retarget = serde_json::json!({"spec": {"scaleTargetRef": {"name": "web"}}});
     let r = common::fencing::merge(&hpas, "plain", retarget).await;

@@ -582,6 +582,81 @@ async fn the_api_proxy_announces_a_protected_delete_for_the_app() {
     );
 }
 
+/// A sidecar that led and was restarted (its container killed, as the OOM killer would) while
+/// the app ran on: the app may hold writes it decided under the earlier run's tenure, so the
+/// restarted proxy does not take its own first tenure for the app's first. Unpinned writes wait
+/// until the app acknowledges the tenure; the token directory, which outlives the restart,
+/// tells the new run that the pod had led.
+#[tokio::test]
+async fn a_restarted_sidecar_waits_for_the_app_to_acknowledge_its_first_tenure() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "restarted").await;
+    let dir = scratch_dir("restarted");
+    let _wh = Webhook::start(&client, &dir, &ns.name).await;
+    let proxy_addr = format!("127.0.0.1:{}", free_port());
+    let proxy = ["--proxy-listen", proxy_addr.as_str()];
+    let mut a = sidecar(&dir, &ns.name, "db", "pod-a", &proxy);
+    let (_, st) = the_leader(&[&a]).await;
+    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
+            "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
+                            "fencedlease.io/lease-uid": st["leaseUID"]}}
+    }))
+    .expect("literal");
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .expect("create");
+    let url = format!(
+        "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
+        ns.name
+    );
+    let write = |value: &str| {
+        let body = format!("{{\"data\":{{\"v\":\"{value}\"}}}}");
+        curl(&[
+            "-X",
+            "PATCH",
+            "-H",
+            "Content-Type: application/merge-patch+json",
+            "--data",
+            &body,
+            &url,
+        ])
+    };
+    let (code, body) = write("a1");
+    assert_eq!(
+        code, 200,
+        "the pod's first tenure needs no acknowledgement: {body}"
+    );
+    a.proc.signal(Signal::SIGKILL);
+    a.proc.wait_exit(Duration::from_secs(10));
+    let a2 = sidecar(&dir, &ns.name, "db", "pod-a", &proxy);
+    let again = eventually(
+        Duration::from_secs(20),
+        "the restarted sidecar to lead",
+        || async { a2.status().filter(|s| s["leading"] == true) },
+    )
+    .await;
+    let (code, body) = write("a2");
+    assert_eq!(code, 403, "{body}");
+    assert!(body.contains("POST /v1/acknowledge"), "{body}");
+    let token = again["token"].as_i64().expect("token");
+    let ack = format!("{{\"token\":{token}}}");
+    let (code, body) = curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        &ack,
+        &format!("{}/v1/acknowledge", a2.url),
+    ]);
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = write("a3");
+    assert_eq!(code, 200, "{body}");
+}
+
 #[tokio::test]
 async fn the_sidecar_api_answers_bad_requests_with_4xx() {
     let client = client().await;

@@ -218,6 +218,7 @@ func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http
 	get := req.Clone(req.Context())
 	get.Method, get.Body, get.GetBody, get.ContentLength = http.MethodGet, nil, nil, 0
 	get.Header.Del("Content-Type")
+	get.Header.Set("Accept", "application/json") // a protobuf client's Accept would hide the labels
 	get.URL.RawQuery = "limit=1"
 	resp, err := base.RoundTrip(get)
 	if err != nil {

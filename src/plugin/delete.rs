@@ -126,6 +126,7 @@ pub async fn delete(
         .labels
         .as_ref()
         .and_then(|l| l.get(LEASE_LABEL))
+        .filter(|l| !l.is_empty())
     else {
         return Err(PluginError::NotProtected(format!(
             "{} {ns}/{name}",

@@ -57,6 +57,9 @@ pub struct ScaleTarget {
 pub struct AutoscalerCheck {
     pub judgement: Judgement,
     pub targets: Vec<ScaleTarget>,
+    /// The lease the autoscaler itself is labelled for, if any: it judges the write first, as
+    /// for any protected object.
+    pub own_lease: Option<String>,
 }
 
 /// The fencing metadata of an object, owned.
@@ -359,10 +362,8 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
         return parse_delete(req, response, writer_exempt);
     }
     if is_autoscaler_write(&req) {
-        if exempt.covers(&req.user_info.username, &req.user_info.groups) {
-            return pass("exempt");
-        }
-        return parse_autoscaler(body, req, response);
+        let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups);
+        return parse_autoscaler(body, req, response, writer_exempt);
     }
     if !matches!(req.operation, Operation::Create | Operation::Update) {
         return pass("not_a_write");
@@ -426,7 +427,12 @@ struct AutoscalerSpecIn {
     scale_target_ref: Option<ScaleTarget>,
 }
 
-fn parse_autoscaler(body: &[u8], req: RequestIn, response: AdmissionResponse) -> Parsed {
+fn parse_autoscaler(
+    body: &[u8],
+    req: RequestIn,
+    response: AdmissionResponse,
+    writer_exempt: bool,
+) -> Parsed {
     let review: AutoscalerReviewIn = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return Parsed::Invalid(Box::new(unreadable(&e.to_string()))),
@@ -446,6 +452,16 @@ fn parse_autoscaler(body: &[u8], req: RequestIn, response: AdmissionResponse) ->
         let msg = "fencedlease: a create or update without an object";
         return Parsed::Invalid(Box::new(response.deny(msg).into_review()));
     };
+    let own_lease = old
+        .and_then(|o| label(o, LEASE_LABEL))
+        .or_else(|| label(new, LEASE_LABEL))
+        .map(str::to_string);
+    // Kubernetes' own writers pass, as long as they leave a labelled autoscaler's fencing alone.
+    if writer_exempt
+        && (own_lease.is_none() || old.is_some_and(|o| fencing_metadata_unchanged(new, o)))
+    {
+        return Parsed::Pass(Box::new(response), "exempt");
+    }
     let judgement = Judgement {
         lease_name: String::new(),
         stamp: OwnedStamp::of(new),
@@ -456,7 +472,11 @@ fn parse_autoscaler(body: &[u8], req: RequestIn, response: AdmissionResponse) ->
         response,
         namespace,
     };
-    Parsed::Autoscaler(Box::new(AutoscalerCheck { judgement, targets }))
+    Parsed::Autoscaler(Box::new(AutoscalerCheck {
+        judgement,
+        targets,
+        own_lease,
+    }))
 }
 
 /// A kubelet's status update of a pod (a node identity may never be exempt in general, but
@@ -538,9 +558,9 @@ fn parse_write(
 
 /// A delete (one object, or each object of a deletecollection): judged on the stored object,
 /// which must announce it. Kubernetes' own deleters (the garbage collector, the namespace
-/// controller: exempt) pass, and so does every delete of an object whose deletion was already
-/// accepted (a kubelet removing a terminated pod, the last step after finalizers), since a
-/// fenced delete decided it.
+/// controller: exempt) pass, and so does a kubelet's delete of a pod whose deletion was already
+/// accepted (it removes the pod once its containers stopped; a fenced delete decided it). The
+/// API server itself removes an object once its last finalizer is gone, with no admission.
 fn parse_delete(req: RequestIn, response: AdmissionResponse, writer_exempt: bool) -> Parsed {
     let Some(old) = req.old_object.as_ref() else {
         let msg = "fencedlease: a delete without the stored object (oldObject): cannot tell whether it is protected";
@@ -552,7 +572,12 @@ fn parse_delete(req: RequestIn, response: AdmissionResponse, writer_exempt: bool
     if writer_exempt {
         return Parsed::Pass(Box::new(response), "exempt");
     }
-    if old.metadata.deletion_timestamp.is_some() {
+    // The kubelet removes a pod whose deletion was accepted once its containers stopped (its
+    // final delete); anyone else's delete of a terminating object is judged (a force delete
+    // would cut its grace period short).
+    if old.metadata.deletion_timestamp.is_some()
+        && req.user_info.username.starts_with("system:node:")
+    {
         return Parsed::Pass(Box::new(response), "already_deleting");
     }
     let Some(namespace) = req.namespace.clone().filter(|n| !n.is_empty()) else {
@@ -764,11 +789,20 @@ mod tests {
             msg.contains(DELETE_INTENT_ANNOTATION) && msg.contains("absent"),
             "{msg}"
         );
-        // A deletion already accepted (finalizers, a terminating pod) is finished by anyone.
+        // A deletion already accepted is finished by the kubelet; anyone else is judged (a
+        // force delete of a terminating pod cuts its grace period short).
         let mut terminating = bare;
         terminating["metadata"]["deletionTimestamp"] = serde_json::json!("2026-12-04T01:00:00Z");
-        let b = review("DELETE", serde_json::Value::Null, Some(terminating));
+        let b = review_as(
+            "DELETE",
+            None,
+            "system:node:n1",
+            serde_json::Value::Null,
+            Some(terminating.clone()),
+        );
         assert!(matches!(parsed(&b), Parsed::Pass(_, "already_deleting")));
+        let b = review("DELETE", serde_json::Value::Null, Some(terminating));
+        assert!(matches!(parsed(&b), Parsed::Judge(_)));
         // No stored object: nothing can tell whether it is protected; refused.
         let b = review("DELETE", serde_json::Value::Null, None);
         assert!(matches!(parsed(&b), Parsed::Invalid(_)));

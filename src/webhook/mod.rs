@@ -565,25 +565,30 @@ impl Shared {
         }
     }
 
-    /// The lease that protects an autoscaler's target, if any. A target the webhook may not
-    /// read (the chart grants `get` on every fenced type), that does not exist, or whose kind
-    /// the API server does not serve is not protected; any other failure to read is an error.
+    /// The lease that protects an autoscaler's target, if any. The target is found by its group
+    /// and kind in whatever version the API server serves (as the autoscaler controller finds
+    /// it: the version in `scaleTargetRef.apiVersion` does not matter to it). A kind the API
+    /// server does not serve cannot be scaled; a target that does not exist, or of a type the
+    /// webhook may not read (the chart grants `get` on every fenced type), is not protected (a
+    /// README residual). Any other failure to read is an error (fail closed).
     async fn target_lease(&self, ns: &str, t: &ScaleTarget) -> Result<Option<String>, String> {
-        let gvk = match t.api_version.split_once('/') {
-            Some((g, v)) => kube::core::GroupVersionKind::gvk(g, v, &t.kind),
-            None => kube::core::GroupVersionKind::gvk("", &t.api_version, &t.kind),
-        };
-        let not_ours = |e: &kube::Error| {
-            matches!(e, kube::Error::Api(s) if matches!(s.code, 403 | 404))
-                || matches!(e, kube::Error::Discovery(_))
-        };
+        let group = t
+            .api_version
+            .split_once('/')
+            .map_or("", |(g, _)| g)
+            .to_string();
+        let not_ours =
+            |e: &kube::Error| matches!(e, kube::Error::Api(s) if matches!(s.code, 403 | 404));
         let seconds = self.metrics.read_seconds("scaled");
         self.metrics.fresh_reads.inc();
         let read = async {
-            let ar = match kube::discovery::pinned_kind(&self.client, &gvk).await {
-                Ok((ar, _)) => ar,
-                Err(e) if not_ours(&e) => return Ok(None),
+            let served = match kube::discovery::group(&self.client, &group).await {
+                Ok(g) => g.recommended_kind(&t.kind),
+                Err(e) if not_ours(&e) || matches!(e, kube::Error::Discovery(_)) => None,
                 Err(e) => return Err(e),
+            };
+            let Some((ar, _)) = served else {
+                return Ok(None);
             };
             let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), ns, &ar);
             match api.get_metadata_opt(&t.name).await {
@@ -602,6 +607,13 @@ impl Shared {
     /// autoscaler's exempt /scale writes would act for whoever may edit it); else passed.
     async fn autoscaler(&self, c: &mut AutoscalerCheck) -> (AdmissionResponse, &'static str) {
         let ns = c.judgement.namespace.clone();
+        if let Some(own) = c.own_lease.clone() {
+            c.judgement.lease_name = own;
+            let (resp, label) = self.judge(&c.judgement).await;
+            if !resp.allowed {
+                return (resp, label);
+            }
+        }
         for t in &c.targets {
             let lease = match self.target_lease(&ns, t).await {
                 Ok(Some(lease)) => lease,

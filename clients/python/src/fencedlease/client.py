@@ -66,7 +66,7 @@ class Client:
     # -- the API ---------------------------------------------------------------------------
 
     def status(self, *, timeout: Optional[float] = None) -> Status:
-        """``GET /v1/status``. The result's ``valid_until`` is the monotonic deadline until which
+        """``GET /v1/status``. The result's ``valid_until`` is the deadline (on ``model.now()``, CLOCK_BOOTTIME where there is one) until which
         the sidecar vouched for leadership, counted from when this request was sent.
         ``timeout`` overrides the client's for this call."""
         sent = now()

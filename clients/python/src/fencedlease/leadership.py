@@ -9,7 +9,7 @@ things and leaves the third to fencing:
 1. ``lead.token()`` (and ``lead.check()``) raise :class:`LeadershipLost` once leadership is
    over *or can no longer be vouched for*: the sidecar reported a loss or a new token, the
    stream to it broke, or the deadline until which it last confirmed leadership passed. The
-   deadline is measured on this process's monotonic clock from when the confirming request was
+   deadline is measured on this process's CLOCK_BOOTTIME (suspend counts) from when the confirming request was
    *sent*, so a process that was paused finds it expired when it wakes, before the watcher
    thread has even read the news. An app that takes its token from ``lead.token()`` right
    before each write therefore never keeps using an old token *silently*.

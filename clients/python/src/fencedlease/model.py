@@ -58,7 +58,7 @@ def parse_token(text: str) -> int:
 class Status:
     """One answer of ``/v1/status``, or one event of ``/v1/watch``.
 
-    ``token`` is set exactly when ``leading`` is. ``valid_until`` is a ``time.monotonic()``
+    ``token`` is set exactly when ``leading`` is. ``valid_until`` is a ``now()``
     deadline until which the sidecar vouched for this leadership, counted conservatively from
     when the request was *sent*; it is set only on :meth:`Client.status` results. Watch events
     leave it None: an event may have waited in the socket while this process was paused, so
@@ -133,7 +133,7 @@ class Disconnected:
     """Yielded by :meth:`Client.watch` (with ``reconnect=True``) when the stream to the sidecar
     broke: from now until the next :class:`Status`, nothing is known. It reads as "not leading"
     (``leading`` is False, ``token`` None), so a loop written for Status events stops work on
-    it. ``error`` says what happened; ``since`` is the ``time.monotonic()`` of the break."""
+    it. ``error`` says what happened; ``since`` is the ``now()`` of the break."""
 
     error: str
     since: float
