@@ -403,6 +403,27 @@ fn sidecar_refuses_a_non_loopback_listen_address() {
     assert!(err.contains("not a loopback address"), "{err}");
 }
 
+/// Creates ConfigMap `name` with `data`, protected by lease "db" and stamped with the token of
+/// the sidecar status `st` (the leader's).
+async fn create_protected(
+    cms: &Api<k8s_openapi::api::core::v1::ConfigMap>,
+    name: &str,
+    st: &Value,
+    data: Value,
+) {
+    let token = st["token"].as_i64().expect("a leader's status has a token");
+    let cm = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"fencedlease.io/lease": "db"},
+            "annotations": {"fencedlease.io/token": token.to_string(),
+                            "fencedlease.io/lease-uid": st["leaseUID"]}},
+        "data": data
+    }))
+    .expect("literal");
+    cms.create(&PostParams::default(), &cm)
+        .await
+        .expect("create the protected ConfigMap");
+}
+
 /// An app that knows nothing of tokens writes a protected ConfigMap through the sidecar's API
 /// proxy: accepted while its pod leads, refused by the proxy itself once it does not.
 #[tokio::test]
@@ -424,17 +445,8 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
     let (_, st) = the_leader(&[&a]).await;
     let b = sidecar(&dir, &ns.name, "db", "pod-b", &[]);
     // The protected object, created with pod-a's token.
-    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
-        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
-            "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
-                            "fencedlease.io/lease-uid": st["leaseUID"]}},
-        "data": {"v": "0"}
-    }))
-    .expect("literal");
-    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    cms.create(&PostParams::default(), &cm)
-        .await
-        .expect("create");
+    let cms = Api::namespaced(client.clone(), &ns.name);
+    create_protected(&cms, "inventory", &st, json!({"v": "0"})).await;
     // The app: plain kubectl against the proxy, no credentials, no token.
     let app = |value: &str| {
         let out = Command::new("kubectl")
@@ -543,17 +555,9 @@ async fn the_api_proxy_announces_a_protected_delete_for_the_app() {
         &["--proxy-listen", &proxy_addr],
     );
     let (_, st) = the_leader(&[&a]).await;
-    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    let cms = Api::namespaced(client.clone(), &ns.name);
     for name in ["inventory", "orders"] {
-        let cm = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {"fencedlease.io/lease": "db"},
-                "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
-                                "fencedlease.io/lease-uid": st["leaseUID"]}}
-        }))
-        .expect("literal");
-        cms.create(&PostParams::default(), &cm)
-            .await
-            .expect("create");
+        create_protected(&cms, name, &st, json!({})).await;
     }
     let r = cms.delete("orders", &Default::default()).await;
     assert!(
@@ -598,16 +602,8 @@ async fn a_restarted_sidecar_waits_for_the_app_to_acknowledge_its_first_tenure()
     let proxy = ["--proxy-listen", proxy_addr.as_str()];
     let mut a = sidecar(&dir, &ns.name, "db", "pod-a", &proxy);
     let (_, st) = the_leader(&[&a]).await;
-    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
-        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
-            "annotations": {"fencedlease.io/token": st["token"].as_i64().expect("token").to_string(),
-                            "fencedlease.io/lease-uid": st["leaseUID"]}}
-    }))
-    .expect("literal");
-    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    cms.create(&PostParams::default(), &cm)
-        .await
-        .expect("create");
+    let cms = Api::namespaced(client.clone(), &ns.name);
+    create_protected(&cms, "inventory", &st, json!({})).await;
     let url = format!(
         "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
         ns.name
@@ -770,17 +766,8 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
     );
     let (_, first) = the_leader(&[&a]).await;
     let t1 = first["token"].as_i64().expect("token");
-    let cm: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(json!({
-        "metadata": {"name": "inventory", "labels": {"fencedlease.io/lease": "db"},
-            "annotations": {"fencedlease.io/token": t1.to_string(),
-                            "fencedlease.io/lease-uid": first["leaseUID"]}},
-        "data": {"v": "a1"}
-    }))
-    .expect("literal");
-    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    cms.create(&PostParams::default(), &cm)
-        .await
-        .expect("create");
+    let cms = Api::namespaced(client.clone(), &ns.name);
+    create_protected(&cms, "inventory", &first, json!({"v": "a1"})).await;
     let write = |pin: Option<i64>, value: &str| {
         let url = format!(
             "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
