@@ -48,13 +48,28 @@ def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, prox
     argv += list(extra)
     p = lib.Proc(f"{name}-{i}", argv, workdir / "logs",
                  env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "warn"})
+    SECRETS[port] = tokens / "api-secret"
+    if proxy_port:
+        SECRETS[proxy_port] = tokens / "api-secret"
     return p, port
+
+
+#: The API secret file of the sidecar serving each port (its API and its proxy).
+SECRETS: dict[int, Path] = {}
+
+
+def auth(port: int) -> dict[str, str]:
+    """The header that the pod's own containers send: the sidecar's API and proxy want it."""
+    try:
+        return {"Authorization": "Bearer " + SECRETS[port].read_text().strip()}
+    except OSError:
+        return {}
 
 
 def status(port: int) -> dict:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
-        c.request("GET", "/v1/status")
+        c.request("GET", "/v1/status", headers=auth(port))
         return json.loads(c.getresponse().read())
     finally:
         c.close()
@@ -107,7 +122,7 @@ def pss_mib(pid: int) -> dict[str, float]:
 
 def token_of(port: int) -> tuple[int, str]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    c.request("GET", "/v1/token")
+    c.request("GET", "/v1/token", headers=auth(port))
     body = json.loads(c.getresponse().read())
     return body["token"], body["leaseUID"]
 
@@ -131,7 +146,8 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
             else:
                 body = json.dumps(data).encode()
                 t0 = time.perf_counter_ns()
-                proxy.request("PATCH", path, body=body, headers={"Content-Type": "application/merge-patch+json"})
+                proxy.request("PATCH", path, body=body,
+                              headers={"Content-Type": "application/merge-patch+json", **auth(proxy_port)})
                 r = proxy.getresponse()
                 r.read()
                 code, ns_ = r.status, time.perf_counter_ns() - t0

@@ -7,7 +7,9 @@ cm=$1 timeline=$2 think=$3
 # Beside a sidecar (FENCEDLEASE_URL set): wait until this pod leads, and take the token from
 # the sidecar's API. Under `fencedlease campaign`, the token is in the environment already.
 if [ -z "${FENCEDLEASE_TOKEN:-}" ]; then
-  until body=$(curl -fsS "$FENCEDLEASE_URL/v1/token" 2>/dev/null); do sleep 0.05; done
+  # The sidecar's API answers only with the pod's secret, a file in its token dir.
+  until body=$(curl -fsS -H "Authorization: Bearer $(cat "$FENCEDLEASE_API_SECRET_FILE" 2>/dev/null)" \
+    "$FENCEDLEASE_URL/v1/token" 2>/dev/null); do sleep 0.05; done
   FENCEDLEASE_TOKEN=$(echo "$body" | sed -n 's/.*"token":\([0-9]*\).*/\1/p')
   FENCEDLEASE_LEASE_UID=$(echo "$body" | sed -n 's/.*"leaseUID":"\([^"]*\)".*/\1/p')
 fi

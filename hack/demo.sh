@@ -102,7 +102,8 @@ YAML" 2>>"$work/setup.log" || die "creating the inventory failed (see $work/setu
     local port
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     setsid env RUST_LOG=warn FENCEDLEASE_IDENTITY="$1" FENCEDLEASE_NAMESPACE="$ns" \
-      FENCEDLEASE_URL="http://127.0.0.1:$port" sh -c '
+      FENCEDLEASE_URL="http://127.0.0.1:$port" \
+      FENCEDLEASE_API_SECRET_FILE="$work/$lease-$1-token/api-secret" sh -c '
         "$0" sidecar --lease "$1" --namespace "$FENCEDLEASE_NAMESPACE" --identity "$FENCEDLEASE_IDENTITY" \
           --listen "127.0.0.1:$2" --lease-duration 3 --token-dir "$3" &
         exec "$4" "$5" "$6" "$7"' \

@@ -40,7 +40,9 @@ pub mod pods;
 pub mod policy;
 pub mod probe;
 pub mod proxy;
+pub mod proxy_tls;
 pub mod runtime;
+pub mod secret;
 pub mod sidecar;
 #[cfg(feature = "operator")]
 pub mod webhook;

@@ -395,6 +395,22 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     }
 }
 
+/// Every request goes on only with the pod's secret; else 401 as a Kubernetes Status.
+async fn gate(
+    State(secret): State<Arc<crate::secret::ApiSecret>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if secret.admits(req.headers()) {
+        return next.run(req).await;
+    }
+    status(
+        StatusCode::UNAUTHORIZED,
+        "Unauthorized",
+        secret.refusal_message(),
+    )
+}
+
 /// [`check_pin`] on a request's headers.
 fn pin_of(headers: &axum::http::HeaderMap, current: &FencingToken) -> Result<(), String> {
     let value = |name: &str| headers.get(name).map(|v| v.to_str().unwrap_or("\u{fffd}"));
@@ -486,19 +502,25 @@ pub struct ProxyConfig {
     pub allow_unacknowledged: bool,
     /// An earlier run of the sidecar in this pod had led (its token directory says so).
     pub led_before: bool,
+    /// Every request must carry it ([`crate::secret`]).
+    pub secret: Arc<crate::secret::ApiSecret>,
 }
 
 /// The proxy's router.
 pub fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
-    Router::new().fallback(forward).with_state(Arc::new(Proxy {
-        client,
-        state: cfg.state,
-        lease: cfg.lease,
-        namespace: cfg.namespace,
-        acknowledged: cfg.acknowledged,
-        allow_unacknowledged: cfg.allow_unacknowledged,
-        led_before: cfg.led_before,
-    }))
+    let secret = cfg.secret;
+    Router::new()
+        .fallback(forward)
+        .layer(axum::middleware::from_fn_with_state(secret, gate))
+        .with_state(Arc::new(Proxy {
+            client,
+            state: cfg.state,
+            lease: cfg.lease,
+            namespace: cfg.namespace,
+            acknowledged: cfg.acknowledged,
+            allow_unacknowledged: cfg.allow_unacknowledged,
+            led_before: cfg.led_before,
+        }))
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use tracing::{debug, info, warn};
 use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
+use crate::secret::ApiSecret;
 
 /// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
 pub use crate::api::SIDECAR_PORT as DEFAULT_PORT;
@@ -56,6 +57,9 @@ pub struct SidecarArgs {
     pub lease_duration: i32,
     /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
     /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.
+    /// Also holds the pod's API secret (`api-secret`) and, with the proxy, its certificate and
+    /// kubeconfig, readable by whoever can read the folder: in a pod, an emptyDir of the pod
+    /// alone; elsewhere, a folder only the app's user can read.
     #[arg(
         long,
         env = "FENCEDLEASE_TOKEN_DIR",
@@ -535,6 +539,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     clear_stale_token_files(&args.token_dir)?;
     let led_before = args.token_dir.join(LED_MARKER).exists();
     let health_url = check_args(&args)?;
+    let secret = Arc::new(ApiSecret::load_or_create(&args.token_dir)?);
     let identity = args
         .identity
         .clone()
@@ -545,7 +550,8 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     let (shared, gauges) = shared_state(&args, identity, &handle);
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
-    let servers = Servers::start(&args, rt.client().clone(), shared, stop, led_before).await?;
+    let servers =
+        Servers::start(&args, rt.client().clone(), shared, stop, led_before, secret).await?;
     if !args.keep_startup_memory {
         tokio::spawn(trim_after_startup(stop.clone()));
     }
@@ -716,6 +722,7 @@ impl Servers {
         shared: Arc<Shared>,
         stop: &CancellationToken,
         led_before: bool,
+        secret: Arc<ApiSecret>,
     ) -> anyhow::Result<Self> {
         // The probe endpoint's /metrics: what a Prometheus on the pod network may scrape. The
         // token is left out: it grants nothing by itself (a write still needs RBAC rights to the
@@ -733,10 +740,11 @@ impl Servers {
             acknowledged: shared.acknowledged.clone(),
             allow_unacknowledged: args.proxy_allow_unacknowledged,
             led_before,
+            secret: secret.clone(),
         };
-        let api = serve_api(args, shared, stop.clone()).await?;
+        let api = serve_api(args, shared, secret, stop.clone()).await?;
         let proxy = match args.proxy_listen {
-            Some(addr) => Some(serve_proxy(addr, client, cfg, stop.clone()).await?),
+            Some(addr) => Some(serve_proxy(addr, args, client, cfg, stop.clone()).await?),
             None => None,
         };
         // The probe endpoint is bound last: a native sidecar's startup probe reads it, and the app
@@ -757,10 +765,12 @@ impl Servers {
     }
 }
 
-/// The loopback API: the token, the status, their changes, the release, probes and metrics.
+/// The loopback API: the token, the status, their changes, the release and the metrics, for
+/// requests with the pod's secret ([`crate::secret`]); the probes for anyone.
 async fn serve_api(
     args: &SidecarArgs,
     shared: Arc<Shared>,
+    secret: Arc<ApiSecret>,
     stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
     let app = Router::new()
@@ -769,8 +779,12 @@ async fn serve_api(
         .route("/v1/watch", get(watch_sse))
         .route("/v1/release", post(release))
         .route("/v1/acknowledge", post(acknowledge))
-        .merge(probe_routes(&shared))
         .merge(crate::admin::metrics_route(shared.registry.clone()))
+        .route_layer(axum::middleware::from_fn_with_state(
+            secret,
+            crate::secret::require,
+        ))
+        .merge(probe_routes(&shared))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -783,23 +797,26 @@ async fn serve_api(
     }))
 }
 
-/// The Kubernetes API proxy on `addr` (see [`crate::proxy`]).
+/// The Kubernetes API proxy on `addr` (see [`crate::proxy`]), over TLS with the certificate
+/// kept in the token dir, and the kubeconfig that points the app at it
+/// ([`crate::proxy_tls`]).
 async fn serve_proxy(
     addr: SocketAddr,
+    args: &SidecarArgs,
     client: kube::Client,
     cfg: crate::proxy::ProxyConfig,
     stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
+    let tls = crate::proxy_tls::load_or_create(&args.token_dir)?;
     let router = crate::proxy::router(client, cfg);
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the proxy on {addr}"))?;
-    info!(%addr, "Kubernetes API proxy listening");
-    Ok(tokio::spawn(async move {
-        axum::serve(l, router)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    }))
+    let addr = l.local_addr().unwrap_or(addr);
+    crate::proxy_tls::write_kubeconfig(&args.token_dir, addr, &args.namespace)?;
+    info!(%addr, kubeconfig = %args.token_dir.join(crate::api::PROXY_KUBECONFIG_FILE).display(),
+          "Kubernetes API proxy listening (TLS)");
+    Ok(tokio::spawn(crate::proxy_tls::serve(l, router, tls, stop)))
 }
 
 /// The probe endpoint on `addr`, within the default [`crate::admin::Limits`].

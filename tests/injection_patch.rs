@@ -102,7 +102,8 @@ fn without_injection(mut spec: Value, control: &Value, native: bool) -> Value {
                 .as_str()
                 .is_some_and(|n| n.starts_with("FENCEDLEASE_"))
         };
-        strip_tail(c, want, "env", 2, ours);
+        // FENCEDLEASE_URL, FENCEDLEASE_TOKEN_FILE, FENCEDLEASE_API_SECRET_FILE.
+        strip_tail(c, want, "env", 3, ours);
         strip_tail(c, want, "volumeMounts", 1, named("fencedlease-token"));
     }
     spec

@@ -7,13 +7,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::containerd::{containerd_socket, CtrEvents};
+use common::containerd::{containerd_socket, task_pid, CtrEvents};
 use common::eventually;
 use common::node::{
     container_id, container_names, container_statuses, describe, has_leader_label, holder,
     is_ready, name_of, ready_node,
 };
 use common::operator::{Injected, LEASE};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, ListParams};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,6 +75,63 @@ async fn an_injected_deployment_has_one_leader_the_only_ready_and_labelled_pod()
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    from_outside_the_pods_containers_only_the_probes_answer(&w, &leader).await;
+}
+
+/// Issue 33, hole 7, on a real pod: a port-forward is a connection to the pod's loopback from
+/// outside its containers (the kubelet's port-forward enters the pod's network namespace and
+/// dials localhost; this node's kubelet listens on loopback only, out of the API server's
+/// reach, so the test enters the namespace itself, with nsenter). From there the sidecar's API
+/// and proxy refuse everything but the probes; the app container, which reads the pod's secret
+/// in its token volume, gets the token, and the kubeconfig the sidecar wrote for it.
+async fn from_outside_the_pods_containers_only_the_probes_answer(w: &Injected, leader: &Pod) {
+    let socket = containerd_socket(&ready_node(&w.client).await);
+    let pid = task_pid(&socket, &container_id(leader, "app"));
+    let net = format!("--net=/proc/{pid}/ns/net");
+    let curl = |extra: &[&str], url: &str| {
+        let out = std::process::Command::new("nsenter")
+            .args([
+                net.as_str(),
+                "curl",
+                "-sk",
+                "--max-time",
+                "5",
+                "-o",
+                "/dev/null",
+            ])
+            .args(["-w", "%{http_code}"])
+            .args(extra)
+            .arg(url)
+            .output()
+            .expect("nsenter and curl");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let api = "http://127.0.0.1:8787";
+    // What the pod's ServiceAccount may read: its lease.
+    let proxy = format!(
+        "https://127.0.0.1:8788/apis/fencedlease.io/v1alpha1/namespaces/{}/fencedleases/{LEASE}",
+        w.ns.name
+    );
+    for url in [
+        format!("{api}/v1/token"),
+        format!("{api}/v1/status"),
+        proxy.clone(),
+    ] {
+        assert_eq!(curl(&[], &url), "401", "{url} without the pod's secret");
+    }
+    assert_eq!(curl(&[], &format!("{api}/healthz")), "200");
+    let volume = format!("/proc/{pid}/root/var/run/fencedlease");
+    let secret = std::fs::read_to_string(format!("{volume}/api-secret"))
+        .expect("the app container reads the pod's secret");
+    let auth = format!("Authorization: Bearer {}", secret.trim());
+    assert_eq!(curl(&["-H", &auth], &format!("{api}/v1/token")), "200");
+    assert_eq!(curl(&["-H", &auth], &proxy), "200");
+    let kubeconfig = std::fs::read_to_string(format!("{volume}/kubeconfig"))
+        .expect("the app container reads the proxy's kubeconfig");
+    assert!(
+        kubeconfig.contains("https://127.0.0.1:8788"),
+        "{kubeconfig}"
+    );
 }
 
 /// Native sidecars (Kubernetes 1.29+; the injection chooses them by the server's version): the

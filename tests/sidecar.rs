@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::procs::{now_ns, scratch_dir};
-use common::sidecars::{curl, sidecar, Sidecar};
+use common::sidecars::{curl, curl_with_secret, sidecar, Sidecar};
 use common::webhook::{free_port, Webhook};
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -216,7 +216,7 @@ async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_
     assert_eq!(lease.metadata.uid.as_deref(), Some(uid.as_str()));
     assert_eq!(lease.holder(), st["identity"].as_str());
     for (j, car) in cars.iter().enumerate() {
-        let (code, body) = curl(&[&format!("http://127.0.0.1:{}/v1/token", car.port)]);
+        let (code, body) = car.curl(&[&format!("http://127.0.0.1:{}/v1/token", car.port)]);
         let (ready, _) = curl(&[&format!("http://127.0.0.1:{}/readyz", car.port)]);
         let file = std::fs::read_to_string(car.token_dir.join("token")).ok();
         if j == i {
@@ -256,6 +256,8 @@ async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_
             "-sN",
             "--max-time",
             "8",
+            "-H",
+            &format!("Authorization: Bearer {}", follower.secret()),
             &format!("http://127.0.0.1:{}/v1/watch", follower.port),
         ])
         .stdout(std::fs::File::create(&sse_out).expect("sse file"))
@@ -447,17 +449,11 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
     // The protected object, created with pod-a's token.
     let cms = Api::namespaced(client.clone(), &ns.name);
     create_protected(&cms, "inventory", &st, json!({"v": "0"})).await;
-    // The app: plain kubectl against the proxy, no credentials, no token.
+    // The app: plain kubectl with the kubeconfig the sidecar writes for its proxy (the proxy's
+    // address and CA, the pod's secret), and no fencing token.
     let app = |value: &str| {
         let out = Command::new("kubectl")
-            .args([
-                "--kubeconfig",
-                "/dev/null",
-                "-s",
-                &format!("http://{proxy_addr}"),
-                "-n",
-                &ns.name,
-            ])
+            .args(["--kubeconfig", &a.proxy_kubeconfig(), "-n", &ns.name])
             .args([
                 "patch",
                 "configmap",
@@ -489,7 +485,7 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
         Some("1")
     );
     // pod-a steps down; pod-b leads; pod-a's proxy refuses the app's next write itself.
-    let (code, _) = curl(&[
+    let (code, _) = a.curl(&[
         "-X",
         "POST",
         &format!("http://127.0.0.1:{}/v1/release", a.port),
@@ -518,9 +514,7 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
     let out = Command::new("kubectl")
         .args([
             "--kubeconfig",
-            "/dev/null",
-            "-s",
-            &format!("http://{proxy_addr}"),
+            &a.proxy_kubeconfig(),
             "-n",
             &ns.name,
             "get",
@@ -566,9 +560,7 @@ async fn the_api_proxy_announces_a_protected_delete_for_the_app() {
     );
     let (ok, out, err) = kubectl(&[
         "--kubeconfig",
-        "/dev/null",
-        "-s",
-        &format!("http://{proxy_addr}"),
+        &a.proxy_kubeconfig(),
         "-n",
         &ns.name,
         "delete",
@@ -605,20 +597,24 @@ async fn a_restarted_sidecar_waits_for_the_app_to_acknowledge_its_first_tenure()
     let cms = Api::namespaced(client.clone(), &ns.name);
     create_protected(&cms, "inventory", &st, json!({})).await;
     let url = format!(
-        "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
+        "https://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
         ns.name
     );
+    let token_dir = a.token_dir.clone();
     let write = |value: &str| {
         let body = format!("{{\"data\":{{\"v\":\"{value}\"}}}}");
-        curl(&[
-            "-X",
-            "PATCH",
-            "-H",
-            "Content-Type: application/merge-patch+json",
-            "--data",
-            &body,
-            &url,
-        ])
+        curl_with_secret(
+            &token_dir,
+            &[
+                "-X",
+                "PATCH",
+                "-H",
+                "Content-Type: application/merge-patch+json",
+                "--data",
+                &body,
+                &url,
+            ],
+        )
     };
     let (code, body) = write("a1");
     assert_eq!(
@@ -639,7 +635,7 @@ async fn a_restarted_sidecar_waits_for_the_app_to_acknowledge_its_first_tenure()
     assert!(body.contains("POST /v1/acknowledge"), "{body}");
     let token = again["token"].as_i64().expect("token");
     let ack = format!("{{\"token\":{token}}}");
-    let (code, body) = curl(&[
+    let (code, body) = a2.curl(&[
         "-X",
         "POST",
         "-H",
@@ -670,13 +666,135 @@ async fn the_sidecar_api_answers_bad_requests_with_4xx() {
         (vec!["-X", "GET", "/%ff%fe"], 404),
     ] {
         let url = format!("{base}{}", args[2]);
-        let (code, _) = curl(&[args[0], args[1], &url]);
+        let (code, _) = a.curl(&[args[0], args[1], &url]);
         assert_eq!(code, want, "{args:?}");
     }
     assert!(
         a.status().is_some_and(|s| s["leading"] == true),
         "still serving and leading"
     );
+}
+
+/// Issue 33, hole 7: the pod's loopback is not private (`kubectl port-forward` reaches it), so
+/// the sidecar's API and proxy answer only requests with the pod's secret, a file in the token
+/// dir. Without it (or with a wrong one) nothing that tells the token or writes gets through,
+/// nor does the proxy read with the pod's credentials; the health endpoints stay open; the
+/// secret outlives a restart of the sidecar, so that the app's copy stays good.
+#[tokio::test]
+async fn without_the_pods_secret_the_sidecar_gives_neither_the_token_nor_the_pods_rights() {
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "secret").await;
+    let dir = scratch_dir("secret");
+    let proxy_addr = format!("127.0.0.1:{}", free_port());
+    let proxy = ["--proxy-listen", proxy_addr.as_str()];
+    let mut a = sidecar(&dir, &ns.name, "db", "pod-a", &proxy);
+    let (_, st) = the_leader(&[&a]).await;
+    let cms = Api::namespaced(client.clone(), &ns.name);
+    create_protected(&cms, "inventory", &st, json!({"v": "0"})).await;
+    let secret = a.secret();
+    assert_eq!(secret.len(), 64, "{secret:?}");
+    let cm = format!(
+        "https://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
+        ns.name
+    );
+    let patch = [
+        "-X",
+        "PATCH",
+        "-H",
+        "Content-Type: application/merge-patch+json",
+    ];
+    let guarded: Vec<Vec<String>> = [
+        vec!["-X", "GET", "/v1/token"],
+        vec!["-X", "GET", "/v1/status"],
+        vec!["-X", "GET", "/v1/watch"],
+        vec!["-X", "GET", "/metrics"],
+        vec!["-X", "POST", "/v1/release"],
+        vec![
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data",
+            "{\"token\":1}",
+            "/v1/acknowledge",
+        ],
+    ]
+    .into_iter()
+    .map(|mut args| {
+        let path = args.pop().expect("path");
+        let mut args: Vec<String> = args.into_iter().map(String::from).collect();
+        args.push(format!("{}{path}", a.url));
+        args
+    })
+    .chain([
+        vec!["-X".to_string(), "GET".to_string(), cm.clone()],
+        patch
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "--data".into(),
+                "{\"data\":{\"v\":\"pf\"}}".into(),
+                cm.clone(),
+            ])
+            .collect(),
+    ])
+    .collect();
+    let wrong = format!("Authorization: Bearer {}", "0".repeat(64));
+    for args in &guarded {
+        // As a port-forward from outside would: no secret, and no need of the proxy's CA.
+        let args: Vec<&str> = ["-k"]
+            .into_iter()
+            .chain(args.iter().map(String::as_str))
+            .collect();
+        let (code, body) = curl(&args);
+        assert_eq!(code, 401, "without the secret: {args:?}: {body}");
+        assert!(
+            body.contains("api-secret"),
+            "the refusal names the file: {body}"
+        );
+        let with_wrong: Vec<&str> = ["-H", wrong.as_str()]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let (code, body) = curl(&with_wrong);
+        assert_eq!(code, 401, "with a wrong secret: {args:?}: {body}");
+    }
+    assert_eq!(
+        cms.get("inventory")
+            .await
+            .expect("get")
+            .data
+            .and_then(|d| d.get("v").cloned()),
+        Some("0".to_string()),
+        "nothing was written through the proxy"
+    );
+    assert!(
+        a.status().is_some_and(|s| s["leading"] == true),
+        "the refused release released nothing"
+    );
+    for probe in ["/healthz", "/readyz", "/livez"] {
+        let (code, body) = curl(&[&format!("{}{probe}", a.url)]);
+        assert_eq!(code, 200, "{probe} stays open: {body}");
+    }
+    // With the secret: the token and the pod's rights.
+    let (code, body) = a.curl(&[&format!("{}/v1/token", a.url)]);
+    assert_eq!(code, 200, "{body}");
+    let mut with_secret: Vec<&str> = patch.to_vec();
+    with_secret.extend(["--data", "{\"data\":{\"v\":\"app\"}}", cm.as_str()]);
+    let (code, body) = a.curl(&with_secret);
+    assert_eq!(code, 200, "{body}");
+    // A restarted sidecar keeps the pod's secret.
+    a.proc.signal(Signal::SIGKILL);
+    a.proc.wait_exit(Duration::from_secs(10));
+    let a2 = sidecar(&dir, &ns.name, "db", "pod-a", &proxy);
+    eventually(
+        Duration::from_secs(20),
+        "the restarted sidecar to answer",
+        || async { a2.status() },
+    )
+    .await;
+    assert_eq!(a2.secret(), secret, "the secret changed across a restart");
 }
 
 /// The value of the one sample of `metric` in an exposition text (with its `lease` label).
@@ -697,7 +815,7 @@ async fn the_probe_port_serves_metrics_without_the_token_and_renewals_move_their
     let a = sidecar(&dir, &ns.name, "db", "pod-a", &["--probe-listen", &probe]);
     let (_, st) = the_leader(&[&a]).await;
     let token = st["token"].as_f64().expect("token");
-    let (code, all) = curl(&[&format!("http://127.0.0.1:{}/metrics", a.port)]);
+    let (code, all) = a.curl(&[&format!("http://127.0.0.1:{}/metrics", a.port)]);
     assert_eq!(code, 200, "{all}");
     assert_eq!(
         sample(&all, "fencedlease_sidecar_token"),
@@ -770,7 +888,7 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
     create_protected(&cms, "inventory", &first, json!({"v": "a1"})).await;
     let write = |pin: Option<i64>, value: &str| {
         let url = format!(
-            "http://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
+            "https://{proxy_addr}/api/v1/namespaces/{}/configmaps/inventory",
             ns.name
         );
         let body = format!("{{\"data\":{{\"v\":\"{value}\"}}}}");
@@ -785,7 +903,7 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
             args.extend(["-H", p.as_str()]);
         }
         args.extend(["--data", body.as_str(), url.as_str()]);
-        curl(&args)
+        a.curl(&args)
     };
     let stored = || async {
         let c = cms.get("inventory").await.expect("get");
@@ -799,7 +917,7 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
         "pod-b",
         &["--proxy-listen", &format!("127.0.0.1:{}", free_port())],
     );
-    let (code, _) = curl(&["-X", "POST", &format!("{}/v1/release", a.url)]);
+    let (code, _) = a.curl(&["-X", "POST", &format!("{}/v1/release", a.url)]);
     assert_eq!(code, 202);
     let on_b = eventually(Duration::from_secs(10), "pod-b to lead", || async {
         b.status().filter(|s| s["leading"] == true)
@@ -817,7 +935,7 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
     .await
     .expect("B's fenced write");
     // B hands it back: A leads again, with a larger token.
-    let (code, _) = curl(&["-X", "POST", &format!("{}/v1/release", b.url)]);
+    let (code, _) = b.curl(&["-X", "POST", &format!("{}/v1/release", b.url)]);
     assert_eq!(code, 202);
     let again = eventually(Duration::from_secs(20), "pod-a to lead again", || async {
         a.status().filter(|s| s["leading"] == true)
@@ -839,7 +957,7 @@ async fn a_write_pinned_to_an_earlier_tenure_is_refused_when_the_lease_comes_bac
     assert_eq!(stored().await, "b", "B's work stands");
     // Acknowledging an old tenure is refused and opens nothing.
     let ack = |t: i64| {
-        curl(&[
+        a.curl(&[
             "-X",
             "POST",
             "-H",

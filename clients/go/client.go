@@ -22,6 +22,21 @@ const DefaultURL = "http://127.0.0.1:8787"
 // URLEnv is the environment variable the injector sets in every app container.
 const URLEnv = "FENCEDLEASE_URL"
 
+// SecretFileEnv names, in an injected pod's app containers, the file with the pod's API
+// secret: the sidecar answers only requests that send it (see [Client.SecretFile]).
+const SecretFileEnv = "FENCEDLEASE_API_SECRET_FILE"
+
+// DefaultSecretFile is where the sidecar writes the pod's API secret in an injected pod (its
+// token dir, /var/run/fencedlease).
+const DefaultSecretFile = "/var/run/fencedlease/api-secret"
+
+// maxSecretBytes bounds what the client reads of the secret file (the sidecar writes 65 bytes).
+const maxSecretBytes = 4 << 10
+
+// ErrUnauthorized is what the errors of requests the sidecar refused for want of the pod's API
+// secret match with [errors.Is].
+var ErrUnauthorized = errors.New("fencedlease: the sidecar wants the pod's API secret")
+
 // maxResponseBytes bounds what the client reads of any one answer of the sidecar (a status is
 // a few hundred bytes).
 const maxResponseBytes = 64 << 10
@@ -119,6 +134,13 @@ type Client struct {
 	// keep-alive) before it is taken for dead and reconnected; 0 means
 	// [DefaultWatchIdleTimeout].
 	WatchIdleTimeout time.Duration
+	// SecretFile is the file with the pod's API secret, sent as a bearer token with every
+	// request: the sidecar's loopback is reachable by `kubectl port-forward`, so it answers
+	// only callers that can read the pod's token volume. [NewClient] sets it from
+	// $FENCEDLEASE_API_SECRET_FILE, else [DefaultSecretFile]. It is read afresh for every
+	// request; while it does not exist, requests go without it (and are refused, with
+	// [ErrUnauthorized]).
+	SecretFile string
 }
 
 // NewClient returns a client of the sidecar at baseURL; with baseURL "", at $FENCEDLEASE_URL,
@@ -136,7 +158,37 @@ func NewClient(baseURL string) (*Client, error) {
 		return nil, fmt.Errorf("fencedlease: sidecar URL %q (from %s) is not of the form http://HOST:PORT: set %s to the sidecar's address, e.g. %s", baseURL, from, URLEnv, DefaultURL)
 	}
 	u.Path = strings.TrimSuffix(u.Path, "/")
-	return &Client{base: u}, nil
+	secret := os.Getenv(SecretFileEnv)
+	if secret == "" {
+		secret = DefaultSecretFile
+	}
+	return &Client{base: u, SecretFile: secret}, nil
+}
+
+// authorize adds the pod's API secret to req, when the secret file exists.
+func (c *Client) authorize(req *http.Request) error {
+	if c.SecretFile == "" {
+		return nil
+	}
+	f, err := os.Open(c.SecretFile)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("fencedlease: reading the pod's API secret: %w (set $%s to the file the sidecar writes, its token dir's api-secret)", err, SecretFileEnv)
+	}
+	defer f.Close()
+	secret, err := readBounded(f, maxSecretBytes)
+	if err != nil {
+		return fmt.Errorf("fencedlease: reading the pod's API secret %s: %w", c.SecretFile, err)
+	}
+	req.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(secret)))
+	return nil
+}
+
+// refused is the error of a 401 answer: the request went without the right secret.
+func (c *Client) refused(op string, body []byte) error {
+	return fmt.Errorf("%w: %s: %s refused the request: %s (the client sends the contents of SecretFile, %q; in an injected pod $%s names the file)", ErrUnauthorized, op, c.base, excerpt(body), c.SecretFile, SecretFileEnv)
 }
 
 // URL is the sidecar's base URL.
@@ -199,6 +251,9 @@ func (c *Client) doBody(ctx context.Context, op, method, path string, body []byt
 		return 0, nil, fmt.Errorf("fencedlease: %s: %w", op, err)
 	}
 	req.Header.Set("Accept", "application/json")
+	if err := c.authorize(req); err != nil {
+		return 0, nil, err
+	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
@@ -216,6 +271,9 @@ func (c *Client) doBody(ctx context.Context, op, method, path string, body []byt
 
 // unexpected describes an answer the sidecar should not give.
 func (c *Client) unexpected(op string, code int, body []byte) error {
+	if code == http.StatusUnauthorized {
+		return c.refused(op, body)
+	}
 	return fmt.Errorf("fencedlease: %s: unexpected answer %d from %s: %s (is %s really a fencedlease sidecar, of a version that serves /v1?)", op, code, c.base, excerpt(body), c.base)
 }
 

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -143,5 +145,42 @@ func TestNewClientTakesTheEnvironmentAndRefusesBadURLs(t *testing.T) {
 	t.Setenv(URLEnv, "localhost:8787")
 	if _, err := NewClient(""); err == nil || !strings.Contains(err.Error(), "from $"+URLEnv) {
 		t.Errorf("a bad $%s must be named as the source: %v", URLEnv, err)
+	}
+}
+
+// The sidecar answers only requests with the pod's API secret: the client sends the file's
+// contents; without the file, or with another secret, every call fails with ErrUnauthorized
+// and says which file it read.
+func TestTheClientSendsThePodsSecret(t *testing.T) {
+	f := newFakeSidecar(t, leadingStatus(7, "uid-1", 10*time.Second))
+	ctx := context.Background()
+	if _, err := f.client.Token(ctx); err != nil {
+		t.Fatalf("with the secret: %v", err)
+	}
+	t.Setenv(SecretFileEnv, f.secretFile)
+	fromEnv, err := NewClient(f.srv.URL)
+	if err != nil || fromEnv.SecretFile != f.secretFile {
+		t.Fatalf("SecretFile from $%s: %q, %v", SecretFileEnv, fromEnv.SecretFile, err)
+	}
+	wrong := filepath.Join(t.TempDir(), "api-secret")
+	if err := os.WriteFile(wrong, []byte(strings.Repeat("0", 64)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, file := range []string{filepath.Join(t.TempDir(), "absent"), wrong} {
+		c := *f.client
+		c.SecretFile = file
+		_, errToken := c.Token(ctx)
+		_, errStatus := c.Status(ctx)
+		errRelease := c.Release(ctx)
+		var errWatch error
+		for _, err := range c.Watch(ctx) {
+			errWatch = err
+			break
+		}
+		for what, err := range map[string]error{"Token": errToken, "Status": errStatus, "Release": errRelease, "Watch": errWatch} {
+			if !errors.Is(err, ErrUnauthorized) || !strings.Contains(err.Error(), file) {
+				t.Fatalf("%s with secret file %s: want ErrUnauthorized naming the file, got %v", what, file, err)
+			}
+		}
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -21,6 +23,8 @@ type fakeSidecar struct {
 	streams  int     // watch connections accepted
 	srv      *httptest.Server
 	client   *Client
+	// secretFile holds fakeSecret; client reads it.
+	secretFile string
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -108,15 +112,30 @@ func newFakeSidecar(t *testing.T, st Status) *fakeSidecar {
 			}
 		}
 	})
-	f.srv = httptest.NewServer(mux)
+	// Like the real sidecar: only requests with the pod's secret get through.
+	f.secretFile = filepath.Join(t.TempDir(), "api-secret")
+	if err := os.WriteFile(f.secretFile, []byte(fakeSecret+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer "+fakeSecret {
+			writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "send the contents of api-secret"})
+			return
+		}
+		mux.ServeHTTP(w, r)
+	}))
 	t.Cleanup(f.close)
 	c, err := NewClient(f.srv.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
+	c.SecretFile = f.secretFile
 	f.client = c
 	return f
 }
+
+// fakeSecret is the fake sidecar's API secret.
+const fakeSecret = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 func (f *fakeSidecar) close() {
 	f.dropStreams()

@@ -73,6 +73,9 @@ func integrationEnv(t *testing.T) itEnv {
 	if len(e.sidecars) != 2 || len(e.tokenDirs) != 2 {
 		t.Fatalf("want two sidecars and two token folders, got %d and %d", len(e.sidecars), len(e.tokenDirs))
 	}
+	for i, c := range e.sidecars {
+		c.SecretFile = filepath.Join(e.tokenDirs[i], "api-secret")
+	}
 	ca, err := os.ReadFile(get("FENCEDLEASE_IT_KUBE_CA"))
 	if err != nil {
 		t.Fatal(err)

@@ -219,6 +219,9 @@ func (c *Client) watchOnce(ctx context.Context, yield func(Status, error) bool) 
 		return false, 0, false, err
 	}
 	req.Header.Set("Accept", "text/event-stream")
+	if err := c.authorize(req); err != nil {
+		return false, 0, false, err
+	}
 	resp, err := c.httpClient().Do(req)
 	if err != nil {
 		if cause := context.Cause(ctx); cause == errIdle {
@@ -228,6 +231,10 @@ func (c *Client) watchOnce(ctx context.Context, yield func(Status, error) bool) 
 	}
 	defer resp.Body.Close()
 	ct, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	if resp.StatusCode == http.StatusUnauthorized {
+		body, _ := readBounded(resp.Body, 512)
+		return false, 0, false, c.refused("GET /v1/watch", body)
+	}
 	if resp.StatusCode != http.StatusOK || ct != "text/event-stream" {
 		body, _ := readBounded(resp.Body, 512)
 		return false, 0, false, fmt.Errorf("GET /v1/watch answered %d (%s) %s, not an event stream: is %s a fencedlease sidecar?", resp.StatusCode, ct, excerpt(body), c.base)

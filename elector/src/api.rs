@@ -101,6 +101,18 @@ pub const SIDECAR_CONTAINER: &str = "fencedlease";
 pub const SIDECAR_PORT: u16 = 8787;
 /// The folder of the token files (`token`, `lease-uid`) in an injected pod's containers.
 pub const TOKEN_DIR: &str = "/var/run/fencedlease";
+/// The file in [`TOKEN_DIR`] that holds the pod's API secret: the sidecar's API (but its health
+/// endpoints) and its Kubernetes API proxy answer only requests that send its contents as
+/// `Authorization: Bearer SECRET`, so that a port-forward to the pod gets neither the token nor
+/// the pod's write rights. The sidecar writes it at start and keeps it for the pod's life.
+pub const API_SECRET_FILE: &str = "api-secret";
+/// The environment variable that names the secret's path in an injected pod's app containers.
+pub const API_SECRET_ENV: &str = "FENCEDLEASE_API_SECRET_FILE";
+/// The file in [`TOKEN_DIR`] with the kubeconfig of the sidecar's Kubernetes API proxy (when
+/// it runs one): its https:// address, its CA and the API secret, for standard clients.
+pub const PROXY_KUBECONFIG_FILE: &str = "kubeconfig";
+/// The environment variable that names that kubeconfig in an injected pod's app containers.
+pub const PROXY_KUBECONFIG_ENV: &str = "FENCEDLEASE_KUBECONFIG";
 /// The field manager of the controller's writes (server-side apply, status patches), also its
 /// `app.kubernetes.io/managed-by` value on what it creates.
 pub const FIELD_MANAGER: &str = "fencedlease-controller";

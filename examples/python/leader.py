@@ -6,6 +6,8 @@ and writes a protected ConfigMap with the token through the Kubernetes API: the 
 webhook refuses the write if the token went stale meanwhile.
 
     FENCEDLEASE_URL  sidecar API (default http://127.0.0.1:8787)
+    FENCEDLEASE_API_SECRET_FILE  the pod's API secret, sent with every request (default
+                     /var/run/fencedlease/api-secret)
 """
 import json
 import os
@@ -14,6 +16,7 @@ import time
 import urllib.request
 
 URL = os.environ.get("FENCEDLEASE_URL", "http://127.0.0.1:8787")
+SECRET_FILE = os.environ.get("FENCEDLEASE_API_SECRET_FILE", "/var/run/fencedlease/api-secret")
 state = {"leading": False, "token": None, "leaseUID": None}
 lock = threading.Lock()
 
@@ -22,7 +25,12 @@ def follow():
     """Keeps `state` in step with the sidecar's event stream, reconnecting on errors."""
     while True:
         try:
-            with urllib.request.urlopen(URL + "/v1/watch", timeout=60) as stream:
+            # The sidecar answers only requests with the pod's secret (read afresh: the
+            # sidecar writes it at start).
+            with open(SECRET_FILE) as f:
+                auth = {"Authorization": "Bearer " + f.read().strip()}
+            request = urllib.request.Request(URL + "/v1/watch", headers=auth)
+            with urllib.request.urlopen(request, timeout=60) as stream:
                 for raw in stream:
                     line = raw.decode().strip()
                     if line.startswith("data:"):

@@ -294,11 +294,12 @@ class Run:
         self.start("sidecar", [self.a.bin, "sidecar", "--lease", LEASE, "--namespace", NS, "--identity", "w-sidecar",
                                "--listen", f"127.0.0.1:{port}", "--lease-duration", str(LEASE_SECONDS),
                                "--token-dir", tokens])
-        self.start("s-http", self.app("s-http", f"http:{url}", "rmw", "--gc-pause", "0.1"))
+        secret = ["--api-secret-file", os.path.join(tokens, "api-secret")]
+        self.start("s-http", self.app("s-http", f"http:{url}", "rmw", "--gc-pause", "0.1", *secret))
         self.start("s-file", self.app("s-file", f"file:{tokens}", "blind", "--gc-pause", "0.1"))
-        self.start("s-deaf", self.app("s-deaf", f"http:{url}", "mixed", "--deaf"))
+        self.start("s-deaf", self.app("s-deaf", f"http:{url}", "mixed", "--deaf", *secret))
         for _ in range(150):
-            if check_token(url):
+            if check_token(url, secret[1]):
                 return
             time.sleep(0.1)
         say("the sidecar did not lead within 15 s; going on")
@@ -495,10 +496,12 @@ def free_port():
     return port
 
 
-def check_token(url):
+def check_token(url, secret_file):
     import urllib.request
     try:
-        with urllib.request.urlopen(url + "/v1/token", timeout=1) as r:
+        with open(secret_file) as f:
+            req = urllib.request.Request(url + "/v1/token", headers={"Authorization": "Bearer " + f.read().strip()})
+        with urllib.request.urlopen(req, timeout=1) as r:
             return r.status == 200
     except OSError:
         return False

@@ -54,13 +54,18 @@ def on_term(_sig, _frame):
     STOP = True
 
 
-def token_from(source):
-    """(token, lease uid), or (None, None) when the source says this app does not lead."""
+def token_from(source, secret_file=None):
+    """(token, lease uid), or (None, None) when the source says this app does not lead. The
+    sidecar's API wants the pod's secret (the file `secret_file`)."""
     try:
         if source == "env":
             return os.environ["FENCEDLEASE_TOKEN"], os.environ["FENCEDLEASE_LEASE_UID"]
         if source.startswith("http:"):
-            with urllib.request.urlopen(source[5:] + "/v1/token", timeout=1) as r:
+            req = urllib.request.Request(source[5:] + "/v1/token")
+            if secret_file:
+                with open(secret_file) as f:
+                    req.add_header("Authorization", "Bearer " + f.read().strip())
+            with urllib.request.urlopen(req, timeout=1) as r:
                 v = json.loads(r.read())
                 return str(v["token"]), v["leaseUID"]
         if source.startswith("file:"):
@@ -99,7 +104,7 @@ class App:
         self.kept = (None, None)  # the last token this app had (for --deaf)
 
     def token(self):
-        tok, uid = token_from(self.a.token)
+        tok, uid = token_from(self.a.token, self.a.api_secret_file)
         if tok is not None:
             self.kept = (tok, uid)
             return tok, uid, False
@@ -195,6 +200,7 @@ def main():
     ap.add_argument("--kubeconfig", required=True)
     ap.add_argument("--server", help="API server URL (default: the kubeconfig's)")
     ap.add_argument("--token", required=True, help="env, http:URL or file:DIR")
+    ap.add_argument("--api-secret-file", help="with http:URL: the file with the pod's API secret")
     ap.add_argument("--style", choices=["rmw", "blind", "mixed"], required=True)
     ap.add_argument("--deaf", action="store_true")
     ap.add_argument("--gc-pause", type=float, default=0.0)

@@ -12,9 +12,10 @@ use serde_json::{json, Value};
 use super::admission::OurKeys;
 
 use crate::api::{
-    valid_name, DEFAULT_LEASE_DURATION_SECONDS, DURATION_ANNOTATION, HEALTH_ANNOTATION,
-    INJECT_ANNOTATION, LEASE_ANNOTATION, MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS,
-    PORT_ANNOTATION, PROXY_ANNOTATION, READY_ANNOTATION, RESOURCE_ANNOTATIONS,
+    valid_name, API_SECRET_ENV, API_SECRET_FILE, DEFAULT_LEASE_DURATION_SECONDS,
+    DURATION_ANNOTATION, HEALTH_ANNOTATION, INJECT_ANNOTATION, LEASE_ANNOTATION,
+    MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS, PORT_ANNOTATION, PROXY_ANNOTATION,
+    PROXY_KUBECONFIG_ENV, PROXY_KUBECONFIG_FILE, READY_ANNOTATION, RESOURCE_ANNOTATIONS,
 };
 
 /// Why a pod is refused injection. Each message is for the pod's author: what is wrong and what
@@ -494,11 +495,14 @@ pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, InjectError>
     let mut env = vec![
         json!({"name": "FENCEDLEASE_URL", "value": url}),
         json!({"name": "FENCEDLEASE_TOKEN_FILE", "value": format!("{TOKEN_DIR}/token")}),
+        json!({"name": API_SECRET_ENV, "value": format!("{TOKEN_DIR}/{API_SECRET_FILE}")}),
     ];
     if let Some(pp) = o.proxy_port {
         env.push(
-            json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("http://127.0.0.1:{pp}")}),
+            json!({"name": "FENCEDLEASE_KUBE_PROXY", "value": format!("https://127.0.0.1:{pp}")}),
         );
+        env.push(json!({"name": PROXY_KUBECONFIG_ENV,
+                        "value": format!("{TOKEN_DIR}/{PROXY_KUBECONFIG_FILE}")}));
     }
     let resources = sidecar_resources(pod, &cfg.resources)?;
     Ok(Injection::Inject(Box::new(Additions {
@@ -806,6 +810,11 @@ mod tests {
         assert!(env
             .iter()
             .any(|e| e["name"] == "FENCEDLEASE_URL" && e["value"] == "http://127.0.0.1:8787"));
+        // And where the pod's API secret is: the sidecar's API answers nothing else.
+        assert!(env
+            .iter()
+            .any(|e| e["name"] == "FENCEDLEASE_API_SECRET_FILE"
+                && e["value"] == "/var/run/fencedlease/api-secret"));
         assert_eq!(cs[0]["volumeMounts"][0]["readOnly"], true);
         assert_eq!(v["spec"]["volumes"][0]["name"], VOLUME);
         // Hardened.
@@ -1246,6 +1255,7 @@ mod tests {
             s
         };
         let apps = [
+            "/spec/containers/0/env/-",
             "/spec/containers/0/env/-",
             "/spec/containers/0/env/-",
             "/spec/containers/0/volumeMounts",

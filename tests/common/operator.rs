@@ -312,7 +312,8 @@ impl Injected {
                         "labels": {"app": WORKLOAD},
                         "annotations": {
                             "fencedlease.io/lease": LEASE,
-                            "fencedlease.io/ready-only-when-leader": "true"
+                            "fencedlease.io/ready-only-when-leader": "true",
+                            "fencedlease.io/proxy": "true"
                         }
                     },
                     "spec": {

@@ -53,11 +53,48 @@ pub fn sidecar(dir: &Path, ns: &str, lease: &str, identity: &str, extra: &[&str]
 impl Sidecar {
     /// `/v1/status`, None while the sidecar does not answer.
     pub fn status(&self) -> Option<Value> {
-        let (code, body) = curl(&[&format!("{}/v1/status", self.url)]);
+        let (code, body) = self.curl(&[&format!("{}/v1/status", self.url)]);
         (code == 200)
             .then(|| serde_json::from_str(&body).ok())
             .flatten()
     }
+}
+
+impl Sidecar {
+    /// The pod's API secret as this sidecar wrote it in its token dir ("" before it has).
+    pub fn secret(&self) -> String {
+        secret_in(&self.token_dir)
+    }
+
+    /// The kubeconfig the sidecar writes for its API proxy (with `--proxy-listen`).
+    pub fn proxy_kubeconfig(&self) -> String {
+        let k = self.token_dir.join(fencedlease::api::PROXY_KUBECONFIG_FILE);
+        k.to_str().expect("utf-8").to_string()
+    }
+
+    /// [`curl`] as the pod's own containers call the sidecar's API and proxy: with the secret.
+    pub fn curl(&self, args: &[&str]) -> (u16, String) {
+        curl_with_secret(&self.token_dir, args)
+    }
+}
+
+/// The API secret in a sidecar's token dir ("" before it has written one).
+pub fn secret_in(token_dir: &Path) -> String {
+    std::fs::read_to_string(token_dir.join(fencedlease::api::API_SECRET_FILE))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// [`curl`] with the secret of the sidecar whose token dir is `token_dir` (it outlives the
+/// sidecar's restarts).
+pub fn curl_with_secret(token_dir: &Path, args: &[&str]) -> (u16, String) {
+    let auth = format!("Authorization: Bearer {}", secret_in(token_dir));
+    // The proxy's CA too, for https:// (the proxy's) URLs.
+    let ca = token_dir.join(fencedlease::proxy_tls::CA_FILE);
+    let ca = ca.to_str().expect("utf-8");
+    let mut all = vec!["-H", auth.as_str(), "--cacert", ca];
+    all.extend_from_slice(args);
+    curl(&all)
 }
 
 /// curl with a 3 s limit: (HTTP status, 0 when there was no answer; body).

@@ -115,8 +115,9 @@ class Story(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.a = Client(ENV["FL_PY_LEADER_URL"])
-        cls.b = Client(ENV["FL_PY_FOLLOWER_URL"])
+        secret = lambda which: os.path.join(ENV[f"FL_PY_{which}_TOKEN_DIR"], "api-secret")
+        cls.a = Client(ENV["FL_PY_LEADER_URL"], secret_file=secret("LEADER"))
+        cls.b = Client(ENV["FL_PY_FOLLOWER_URL"], secret_file=secret("FOLLOWER"))
         cls.a_id, cls.b_id = ENV["FL_PY_LEADER_ID"], ENV["FL_PY_FOLLOWER_ID"]
 
     def test_1_token_status_and_files_match_the_lease(self):

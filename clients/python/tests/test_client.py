@@ -16,6 +16,7 @@ from fencedlease import (
     SidecarUnavailable,
     Status,
     Token,
+    Unauthorized,
 )
 
 from .fake import (
@@ -100,6 +101,38 @@ class Requests(unittest.TestCase):
         with serve(lambda r, c: respond_json(c, 200, {"token": 1, "leaseUID": "u"})) as s:
             Client(s.url + "/sidecar/").token()
             self.assertEqual(s.requests[0].path, "/sidecar/v1/token")
+
+
+class Secret(unittest.TestCase):
+    """The sidecar answers only requests with the pod's API secret (a port-forward reaches its
+    loopback): the client sends the secret file's contents, read afresh each time."""
+
+    def test_the_secret_file_is_sent_as_a_bearer_token(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "api-secret")
+            with open(path, "w") as f:
+                f.write("ab" * 32 + "\n")
+            with serve(lambda r, c: respond_json(c, 200, {"token": 1, "leaseUID": "u"})) as s:
+                Client(s.url, secret_file=path).token()
+                with mock.patch.dict(os.environ, {"FENCEDLEASE_API_SECRET_FILE": path}):
+                    Client(s.url).token()
+                Client(s.url, secret_file=os.path.join(d, "absent")).token()
+            sent = [r.headers.get("authorization") for r in s.requests]
+        self.assertEqual(sent, ["Bearer " + "ab" * 32] * 2 + [None])
+
+    def test_a_refusal_raises_unauthorized_naming_the_file(self):
+        def h(req, conn):
+            respond_json(conn, 401, {"error": "send the contents of api-secret"})
+
+        with serve(h) as s:
+            c = Client(s.url, secret_file="/nowhere/api-secret")
+            for call in (c.status, c.token, c.release, lambda: next(iter(c.watch()))):
+                with self.subTest(call=call), self.assertRaises(Unauthorized) as cm:
+                    call()
+                self.assertIn("/nowhere/api-secret", str(cm.exception))
+                self.assertIn("FENCEDLEASE_API_SECRET_FILE", str(cm.exception))
 
 
 class Errors(unittest.TestCase):

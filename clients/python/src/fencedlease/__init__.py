@@ -12,7 +12,7 @@
 See the package README for the whole API and what each part promises.
 """
 
-from .client import DEFAULT_URL, Client, Watch
+from .client import DEFAULT_SECRET_FILE, DEFAULT_URL, Client, Watch
 from .errors import (
     FencedLeaseError,
     LeadershipLost,
@@ -20,6 +20,7 @@ from .errors import (
     ProtocolError,
     SidecarUnavailable,
     TokenFileError,
+    Unauthorized,
 )
 from .leadership import Leadership, leading, while_leading
 from .model import Disconnected, Status, Token, parse_token
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "DEFAULT_SECRET_FILE",
     "DEFAULT_TOKEN_DIR",
     "DELETE_INTENT_ANNOTATION",
     "DEFAULT_URL",
@@ -60,6 +62,7 @@ __all__ = [
     "TOKEN_ANNOTATION",
     "Token",
     "TokenFileError",
+    "Unauthorized",
     "WRITE_ID_ANNOTATION",
     "Watch",
     "default_token_dir",

@@ -13,12 +13,18 @@ import threading
 from typing import Any, Deque, Iterator, Optional, Tuple, Union
 from urllib.parse import urlsplit
 
-from .errors import NotLeader, ProtocolError, SidecarUnavailable
+from .errors import NotLeader, ProtocolError, SidecarUnavailable, Unauthorized
 from .model import Disconnected, Status, Token, now
 from .sse import SSEParser
 
 #: The sidecar's default listen address (``fencedlease sidecar --listen``).
 DEFAULT_URL = "http://127.0.0.1:8787"
+#: Where the sidecar writes the pod's API secret in an injected pod (its token dir).
+DEFAULT_SECRET_FILE = "/var/run/fencedlease/api-secret"
+#: The environment variable that names the secret file in an injected pod's app containers.
+SECRET_FILE_ENV = "FENCEDLEASE_API_SECRET_FILE"
+#: The most read of the secret file (the sidecar writes 65 bytes).
+MAX_SECRET = 4096
 #: The largest JSON body accepted from the sidecar (its answers are a few hundred bytes).
 MAX_BODY = 64 * 1024
 #: The sidecar sends a keep-alive comment on /v1/watch every 15 s; a stream silent for this
@@ -37,10 +43,16 @@ class Client:
 
     ``url`` defaults to ``$FENCEDLEASE_URL``, else ``http://127.0.0.1:8787``. ``timeout`` (s)
     bounds connecting and each read of the short requests; watches have their own idle timeout.
-    A Client holds no connection between calls and may be shared between threads.
+    ``secret_file`` (default ``$FENCEDLEASE_API_SECRET_FILE``, else
+    ``/var/run/fencedlease/api-secret``) holds the pod's API secret, read afresh for every
+    request and sent as a bearer token: the sidecar answers nothing else (but its health
+    endpoints). While the file does not exist, requests go without it and raise
+    :class:`Unauthorized`. A Client holds no connection between calls and may be shared
+    between threads.
     """
 
-    def __init__(self, url: Optional[str] = None, *, timeout: float = 5.0):
+    def __init__(self, url: Optional[str] = None, *, timeout: float = 5.0, secret_file: Optional[str] = None):
+        self.secret_file = secret_file or os.environ.get(SECRET_FILE_ENV) or DEFAULT_SECRET_FILE
         self.url = (url or os.environ.get("FENCEDLEASE_URL") or DEFAULT_URL).rstrip("/")
         parts = urlsplit(self.url)
         if parts.scheme != "http":
@@ -164,6 +176,9 @@ class Client:
         where = self._where(path)
         conn = self._connection(timeout)
         headers = {"Accept": "application/json, text/event-stream"}
+        secret = self._secret()
+        if secret is not None:
+            headers["Authorization"] = f"Bearer {secret}"
         if body is not None:
             headers["Content-Type"] = "application/json"
         try:
@@ -172,6 +187,30 @@ class Client:
         except BaseException as e:
             conn.close()
             raise _translate(e, where, timeout) from e
+
+    def _secret(self) -> Optional[str]:
+        """The pod's API secret, None while its file does not exist."""
+        try:
+            with open(self.secret_file, "rb") as f:
+                data = f.read(MAX_SECRET + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise Unauthorized(
+                f"reading the pod's API secret {self.secret_file}: {e}; set {SECRET_FILE_ENV} "
+                "to the file the sidecar writes (its token dir's api-secret)"
+            ) from None
+        if len(data) > MAX_SECRET:
+            raise Unauthorized(f"{self.secret_file}: over {MAX_SECRET} bytes, not the sidecar's API secret")
+        return data.decode("ascii", "replace").strip()
+
+    def _refused(self, path: str, body: bytes) -> Unauthorized:
+        return Unauthorized(
+            f"{self._where(path)}: the sidecar refused the request without the pod's API secret "
+            f"({body[:300]!r}); this client sends the contents of {self.secret_file}: in an "
+            f"injected pod {SECRET_FILE_ENV} names the file, elsewhere pass secret_file= (the "
+            "sidecar's --token-dir/api-secret)"
+        )
 
     def _request(self, method: str, path: str, timeout: Optional[float] = None, body: Optional[bytes] = None) -> Tuple[int, bytes]:
         timeout = self.timeout if timeout is None else timeout
@@ -205,7 +244,9 @@ class Client:
                 "sidecar API (not its Kubernetes API proxy or probe port)?"
             ) from None
 
-    def _unexpected(self, path: str, code: int, body: bytes) -> ProtocolError:
+    def _unexpected(self, path: str, code: int, body: bytes) -> Union[ProtocolError, Unauthorized]:
+        if code == 401:
+            return self._refused(path, body)
         hint = ""
         if code == 404:
             hint = (
@@ -412,6 +453,10 @@ class Watch(Iterator[Event]):
             return self._lost(e)
         try:
             ctype = (resp.getheader("Content-Type") or "").split(";")[0].strip()
+            if resp.status == 401:
+                body = resp.read(512)
+                _close(conn, resp)
+                raise self._client._refused("/v1/watch", body)
             if resp.status != 200 or ctype != "text/event-stream":
                 body = resp.read(512)
                 _close(conn, resp)
@@ -421,7 +466,7 @@ class Watch(Iterator[Event]):
                 )
             if conn.sock is not None:
                 conn.sock.settimeout(self._idle_timeout)
-        except ProtocolError:
+        except (ProtocolError, Unauthorized):
             raise
         except BaseException as e:
             _close(conn, resp)

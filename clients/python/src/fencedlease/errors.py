@@ -23,6 +23,14 @@ class ProtocolError(FencedLeaseError):
     client and sidecar versions disagree."""
 
 
+class Unauthorized(FencedLeaseError):
+    """The sidecar refused the request: it did not carry the pod's API secret. The sidecar's
+    loopback is reachable by ``kubectl port-forward``, so it answers only callers that can read
+    the pod's token volume: the client sends the contents of its ``secret_file``
+    (``$FENCEDLEASE_API_SECRET_FILE`` in an injected pod, else
+    ``/var/run/fencedlease/api-secret``)."""
+
+
 class TokenFileError(FencedLeaseError):
     """A token file exists but its content is not a token (or not a lease UID)."""
 
