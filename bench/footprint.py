@@ -20,8 +20,9 @@
    merge patches of a protected ConfigMap (through the API server and the fencing webhook, the
    write an app makes) alternate between the two ways an app can send them: straight to the API
    server with the token it read from the sidecar's `/v1/token` stamped on by the app, and through
-   the proxy, which stamps the token itself. Both on a keep-alive connection, one write at a time;
-   the difference of the percentiles is what the proxy adds.
+   the proxy, which stamps the token itself. Both on a keep-alive TLS connection (the proxy's
+   certificate checked against the CA the sidecar writes, as the pod's kubeconfig does), one write
+   at a time; the difference of the percentiles is what the proxy adds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import ssl
 import time
 from pathlib import Path
 
@@ -51,11 +53,14 @@ def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, prox
     SECRETS[port] = tokens / "api-secret"
     if proxy_port:
         SECRETS[proxy_port] = tokens / "api-secret"
+        PROXY_CAS[proxy_port] = tokens / "proxy-ca.crt"
     return p, port
 
 
 #: The API secret file of the sidecar serving each port (its API and its proxy).
 SECRETS: dict[int, Path] = {}
+#: The CA each proxy's certificate is signed by (the sidecar writes it beside its kubeconfig).
+PROXY_CAS: dict[int, Path] = {}
 
 
 def auth(port: int) -> dict[str, str]:
@@ -133,7 +138,11 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
     # (which reconnects) first, so that no timed write pays for a new connection.
     kube.request("GET", path)
     token, uid = token_of(api_port)
-    proxy = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=10)
+    # The proxy speaks TLS, as the API server does: both ways pay for encryption, the handshake
+    # happens once per keep-alive connection, before the first (warm-up) write.
+    tls = ssl.create_default_context(cafile=str(PROXY_CAS[proxy_port]))
+    proxy = http.client.HTTPSConnection("127.0.0.1", proxy_port, timeout=10, context=tls)
+    proxy_headers = {"Content-Type": "application/merge-patch+json", **auth(proxy_port)}
     lat: dict[str, list[float]] = {"direct": [], "proxy": []}
     codes: dict[str, dict[int, int]] = {"direct": {}, "proxy": {}}
     for i in range(warmup + writes):
@@ -146,8 +155,7 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
             else:
                 body = json.dumps(data).encode()
                 t0 = time.perf_counter_ns()
-                proxy.request("PATCH", path, body=body,
-                              headers={"Content-Type": "application/merge-patch+json", **auth(proxy_port)})
+                proxy.request("PATCH", path, body=body, headers=proxy_headers)
                 r = proxy.getresponse()
                 r.read()
                 code, ns_ = r.status, time.perf_counter_ns() - t0
