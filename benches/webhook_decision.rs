@@ -12,8 +12,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use fencedlease::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
-use fencedlease::fencing::{decide, Exemptions, LeaseView, Mode, Stamp, WriteAttempt};
 use fencedlease::webhook::admission::{parse, respond, Parsed};
+use fencedlease::webhook::fence::{decide, Exemptions, LeaseView, Mode, Stamp, WriteAttempt};
 
 const UID: &str = "0b6f3c2e-8a51-4f0e-9d7a-5c1e2f3a4b5c";
 

@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 #[command(name = "fencedlease", version, about)]
 pub struct Cli {
     /// Log lines as text or as one JSON object each (for log collectors).
-    #[arg(long, global = true, env = crate::logging::FORMAT_ENV, value_enum, default_value_t)]
-    pub log_format: crate::logging::LogFormat,
+    #[arg(long, global = true, env = crate::runtime::logging::FORMAT_ENV, value_enum, default_value_t)]
+    pub log_format: crate::runtime::logging::LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }

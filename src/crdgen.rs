@@ -20,7 +20,7 @@ pub const CRD_PATH: &str = "crds/fencedleases.fencedlease.io.yaml";
 /// [`RULES_FROM_MINOR`].
 pub const PRE_RULES_CRD_PATH: &str = "crds/pre-1.25/fencedleases.fencedlease.io.yaml";
 /// The first Kubernetes 1.x release that enforces `x-kubernetes-validations` by default.
-pub const RULES_FROM_MINOR: u32 = 25;
+pub(crate) const RULES_FROM_MINOR: u32 = 25;
 /// The schema key of CEL validation rules.
 pub const RULES_KEY: &str = "x-kubernetes-validations";
 
@@ -31,7 +31,7 @@ pub fn server_takes_rules(minor: u32) -> bool {
 
 /// Does a server that reports this `major`/`minor` (as /version does; minor may carry a `+`)
 /// take the CRD with validation rules?
-pub fn version_takes_rules(major: &str, minor: &str) -> bool {
+pub(crate) fn version_takes_rules(major: &str, minor: &str) -> bool {
     let num = |s: &str| s.trim_end_matches('+').parse::<u32>().ok();
     match (num(major), num(minor)) {
         (Some(1), Some(m)) => server_takes_rules(m),

@@ -1,48 +1,36 @@
 //! fencedlease: Kubernetes leader election with fencing tokens that the protected resource
 //! enforces.
 //!
-//! - [`api`]: the `FencedLease` custom resource; its `metadata.generation` is the fencing token.
-//! - [`lease`]: the election (rules and elector).
-//! - `crdgen`: the CRD YAML generated from those types (with the `operator` feature).
-//! - [`cli`]: the `fencedlease` command's subcommands.
-//! - `plugin`: `kubectl fencedlease` (status, who, handover, release, check; with `operator`).
+//! One folder per role, each built on the layers below it and on nothing beside it except
+//! through a module it names:
 //!
-//! Without the default `operator` feature the library has only what the workload side needs
-//! (the sidecar, `campaign`, the probe, the API proxy and what they share): the sidecar's build.
+//! - [`api`], [`lease`], [`stamp`]: the `FencedLease` resource, the election and the token a
+//!   write carries (the `fencedlease-elector` crate in elector/, re-exported here).
+//! - [`runtime`]: what every role runs on (client, shutdown, admin server, logging, TLS).
+//! - the roles: `controller`, `webhook` (with `fence`, its pure rule), `sidecar`, `campaign`,
+//!   `plugin` (`kubectl fencedlease`), the probe, `crdgen`.
+//! - [`cli`]: the `fencedlease` command, which only wires the roles.
 //!
-//! `api` and `lease` live in the `fencedlease-elector` crate (elector/), a library for other
-//! kube-rs programs; they are re-exported here under their old paths.
+//! The library exports what the binary, the tests and the benchmarks use; everything else is
+//! `pub(crate)` at most (`unreachable_pub` makes that a build error under clippy's
+//! `-D warnings`). Without the default `operator` feature the library has only the workload
+//! side (sidecar, `campaign`, the probe): the sidecar's build.
+#![warn(unreachable_pub)]
 
-pub use fencedlease_elector::{api, lease};
+pub use fencedlease_elector::{api, lease, stamp};
 
-pub mod admin;
-pub mod campaign;
-#[cfg(feature = "operator")]
-pub mod certs;
-pub mod cli;
+pub mod runtime;
+
+mod campaign;
 #[cfg(feature = "operator")]
 pub mod controller;
 #[cfg(feature = "operator")]
 pub mod crdgen;
-pub mod fencing;
-#[cfg(feature = "operator")]
-pub mod holder;
-pub mod identity;
-pub mod logging;
-pub mod memtrim;
-#[cfg(feature = "operator")]
-pub mod owners;
 #[cfg(feature = "operator")]
 pub mod plugin;
-#[cfg(feature = "operator")]
-pub mod pods;
-#[cfg(feature = "operator")]
-pub mod policy;
-pub mod probe;
-pub mod proxy;
-pub mod proxy_tls;
-pub mod runtime;
-pub mod secret;
+mod probe;
 pub mod sidecar;
 #[cfg(feature = "operator")]
 pub mod webhook;
+
+pub mod cli;

@@ -1,5 +1,5 @@
 use clap::Parser;
-use fencedlease::logging;
+use fencedlease::runtime::logging;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {

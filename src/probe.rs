@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A plain http:// URL split into what a GET needs.
 #[derive(Debug, PartialEq, Eq)]
-pub struct HttpUrl {
+pub(crate) struct HttpUrl {
     /// The host name or IP address to connect to; an IPv6 address without its brackets.
     pub host: String,
     pub port: u16,
@@ -20,7 +20,7 @@ pub struct HttpUrl {
 
 impl HttpUrl {
     /// The Host header's value: an IPv6 address in brackets; the port unless it is 80.
-    pub fn host_header(&self) -> String {
+    pub(crate) fn host_header(&self) -> String {
         let host = if self.host.contains(':') {
             format!("[{}]", self.host)
         } else {
@@ -37,7 +37,7 @@ impl HttpUrl {
 /// Why a URL is not one the health check can use. Each message says what is wrong and how to
 /// write it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum UrlError {
+pub(crate) enum UrlError {
     #[error("not a URL ({0}); write http://HOST[:PORT]/PATH")]
     NotAUrl(String),
     #[error(
@@ -67,7 +67,7 @@ const HOW: &str = "write http://HOST[:PORT]/PATH, an IPv6 HOST in brackets";
 /// A URL the health check refused, with the URL itself in the message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{url:?}: {why}")]
-pub struct BadUrl {
+pub(crate) struct BadUrl {
     pub url: String,
     pub why: UrlError,
 }
@@ -75,7 +75,7 @@ pub struct BadUrl {
 /// Parses `http://HOST[:PORT][/PATH][?QUERY]`, where HOST is a name, an IPv4 address or an IPv6
 /// address in brackets (`http://[::1]:8080/healthz`). Only plain HTTP, without user info: the
 /// app listens inside the pod. The error says what is wrong and how to write it.
-pub fn parse_http_url(url: &str) -> Result<HttpUrl, BadUrl> {
+pub(crate) fn parse_http_url(url: &str) -> Result<HttpUrl, BadUrl> {
     let bad = |why: UrlError| BadUrl {
         url: url.to_string(),
         why,
@@ -144,7 +144,7 @@ fn parse_port(port: Option<&str>) -> Result<u16, UrlError> {
 }
 
 /// One health check: a GET that must answer 2xx within `timeout`.
-pub async fn check_health(url: &HttpUrl, timeout: Duration) -> bool {
+pub(crate) async fn check_health(url: &HttpUrl, timeout: Duration) -> bool {
     let fut = async {
         let mut stream = tokio::net::TcpStream::connect((url.host.as_str(), url.port))
             .await

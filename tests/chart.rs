@@ -299,7 +299,7 @@ fn rendered_objects_follow_the_design() {
     }
     let webhook = container_args(webhook_deploy, "webhook");
     // The chart's default exemptions are the webhook's own defaults, flag by flag.
-    let exempt: Vec<String> = fencedlease::fencing::DEFAULT_EXEMPT_USERS
+    let exempt: Vec<String> = fencedlease::webhook::fence::DEFAULT_EXEMPT_USERS
         .iter()
         .map(|u| format!("--exempt-user={u}"))
         .collect();
@@ -1554,7 +1554,7 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
                 .as_str()
                 .expect("expression")
                 .to_string();
-            for u in fencedlease::fencing::DEFAULT_EXEMPT_USERS {
+            for u in fencedlease::webhook::fence::DEFAULT_EXEMPT_USERS {
                 assert!(
                     exempt.contains(&format!("\"{u}\"")),
                     "{u} not exempt: {exempt}"

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::fencing::{assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE};
 use common::{client_as, eventually, kubectl};
 use fencedlease::api::FencedLease;
-use fencedlease::policy::policy_hash;
+use fencedlease::controller::policy::policy_hash;
 use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};

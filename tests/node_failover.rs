@@ -14,7 +14,7 @@ use common::node::{
 };
 use common::operator::{Injected, LEASE, LEASE_SECONDS};
 use common::{eventually, try_eventually};
-use fencedlease::holder;
+use fencedlease::controller::holder;
 use kube::api::DeleteParams;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

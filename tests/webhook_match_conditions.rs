@@ -13,7 +13,7 @@ use fencedlease::api::{
     INJECT_ANNOTATION, LEASE_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
 };
-use fencedlease::fencing::DEFAULT_EXEMPT_USERS;
+use fencedlease::webhook::fence::DEFAULT_EXEMPT_USERS;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::Api;
@@ -380,14 +380,14 @@ async fn fencing_is_not_called_for_exempt_writers_that_leave_the_fencing_alone()
 
     // The active controller patches caBundle into both configurations (the real code); the
     // matchConditions stay.
-    let cfg = fencedlease::certs::CertConfig {
+    let cfg = fencedlease::controller::certs::CertConfig {
         namespace: ns.name.clone(),
         secret: release.tls_secret(),
         service: release.fullname(),
         configurations: vec![vwc.clone(), release.mutating()],
     };
     assert!(
-        fencedlease::certs::reconcile(&client, &cfg)
+        fencedlease::controller::certs::reconcile(&client, &cfg)
             .await
             .expect("certificate and caBundle"),
         "the controller's code wrote"

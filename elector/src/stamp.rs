@@ -8,6 +8,7 @@
 //! an update whose write id is missing or unchanged is refused.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -67,6 +68,67 @@ pub fn announce_delete(meta: &mut ObjectMeta, lease: &str, token: &FencingToken,
     meta.annotations
         .get_or_insert_with(BTreeMap::new)
         .insert(DELETE_INTENT_ANNOTATION.to_string(), write_id.to_string());
+}
+
+/// The HTTP status and reason of every fencing refusal, from the webhook, the policy and the
+/// sidecar's API proxy alike: 403 Forbidden. Not 409 Conflict: Kubernetes clients read a
+/// conflict as "re-read the object and try again" (`kubectl scale` retries one for minutes,
+/// client-go's `RetryOnConflict` and kube-rs programs likewise), and a replaced leader must be
+/// told once to stop, not invited to retry with the same stale token.
+pub const REFUSAL_CODE: u16 = 403;
+/// See [`REFUSAL_CODE`].
+pub const REFUSAL_REASON: &str = "Forbidden";
+
+/// Why a token string (annotation [`TOKEN_ANNOTATION`] or the `fencedlease-token` header) is
+/// not a token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenError {
+    /// The string is empty.
+    Empty,
+    /// Something other than decimal digits.
+    NotANumber,
+    /// A sign, spaces or leading zeros.
+    Padded,
+    /// A negative number.
+    Negative,
+    /// Larger than a 64-bit generation can be.
+    TooLarge,
+    /// Zero: tokens start at 1.
+    Zero,
+}
+
+impl fmt::Display for TokenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TokenError::Empty => "it is empty",
+            TokenError::NotANumber => "it is not a decimal number",
+            TokenError::Padded => "it has a sign, spaces or leading zeros",
+            TokenError::Negative => "it is negative",
+            TokenError::TooLarge => "it is larger than a 64-bit generation can be",
+            TokenError::Zero => "tokens start at 1",
+        })
+    }
+}
+
+/// Parses a token strictly: a canonical positive decimal that fits an int64, nothing else.
+pub fn parse_token(s: &str) -> Result<i64, TokenError> {
+    if s.is_empty() {
+        return Err(TokenError::Empty);
+    }
+    if s.starts_with('-') && s.len() > 1 && s[1..].bytes().all(|b| b.is_ascii_digit()) {
+        return Err(TokenError::Negative);
+    }
+    if s.trim() != s || s.starts_with('+') || (s.len() > 1 && s.starts_with('0')) {
+        return Err(TokenError::Padded);
+    }
+    if !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(TokenError::NotANumber);
+    }
+    let n: i64 = s.parse().map_err(|_| TokenError::TooLarge)?;
+    if n == 0 {
+        return Err(TokenError::Zero);
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

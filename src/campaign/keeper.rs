@@ -30,7 +30,7 @@ pub struct KeepArgs {
 }
 
 /// The keeper's argument list for `command`, watching `fd`.
-pub fn keeper_args(fd: RawFd, command: &[String]) -> Vec<String> {
+pub(crate) fn keeper_args(fd: RawFd, command: &[String]) -> Vec<String> {
     let mut args = vec![
         "keep".into(),
         "--watch-fd".into(),
@@ -61,7 +61,7 @@ fn outlive_polite_signals() -> anyhow::Result<()> {
 }
 
 /// Runs the keeper: returns the command's exit code, or never returns when campaign is gone.
-pub fn run(args: KeepArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: KeepArgs) -> anyhow::Result<ExitCode> {
     // SAFETY: campaign put the pipe's read end at this number for this process; it stays open
     // for the process's whole life.
     let watch = unsafe { BorrowedFd::borrow_raw(args.watch_fd) };

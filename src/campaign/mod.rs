@@ -6,7 +6,7 @@
 //! signalling over /proc. The command runs under a [`keeper`], which ends the tree when this
 //! process ends, however it ends.
 
-pub mod keeper;
+pub(crate) mod keeper;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -117,7 +117,7 @@ const KILL_LEAD: Duration = Duration::from_millis(100);
 /// When the running command is asked to stop (SIGTERM) and when its whole tree is killed
 /// (SIGKILL), unless a renewal extends the validity first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StopTimes {
+pub(crate) struct StopTimes {
     pub term_at: Instant,
     pub kill_at: Instant,
 }
@@ -125,7 +125,7 @@ pub struct StopTimes {
 /// For leadership valid until `valid_until`, first seen at `since`: SIGKILL no later than
 /// `valid_until` (`KILL_LEAD` before it, when the validity is long enough), SIGTERM `grace`
 /// before SIGKILL but not before `RUN_SHARE` of the validity has passed.
-pub fn stop_times(valid_until: Instant, since: Instant, grace: Duration) -> StopTimes {
+pub(crate) fn stop_times(valid_until: Instant, since: Instant, grace: Duration) -> StopTimes {
     let window = valid_until.saturating_duration_since(since);
     let lead = KILL_LEAD.min(window / 10);
     let kill_at = valid_until.checked_sub(lead).unwrap_or(valid_until);
@@ -139,7 +139,7 @@ pub fn stop_times(valid_until: Instant, since: Instant, grace: Duration) -> Stop
 
 /// Why the command is stopped (the `reason` of "stopped" and "command_gone" events).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
+pub(crate) enum StopReason {
     /// Not leading any more: another holder, the lease deleted, or validity over.
     Lost,
     /// Still leading, but no renewal came in time: the tree must be gone when validity ends.
@@ -153,7 +153,7 @@ pub enum StopReason {
 }
 
 impl StopReason {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             StopReason::Lost => "lost",
             StopReason::RenewalOverdue => "renewal_overdue",
@@ -166,7 +166,7 @@ impl StopReason {
 
 /// What to do with the command now.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Plan {
+pub(crate) enum Plan {
     /// Nothing runs and nothing should: wait for news.
     Idle,
     /// Start the command with this token.
@@ -182,7 +182,7 @@ pub enum Plan {
 
 /// The decision at `now`, given the elector's `state`, when its current validity was first
 /// seen (`since`), and the token of the command running, if one does.
-pub fn plan(
+pub(crate) fn plan(
     now: Instant,
     state: &LeaderState,
     since: Instant,
@@ -225,7 +225,7 @@ pub fn plan(
 /// When to SIGKILL what is left when stopping for another reason than the lease (shutdown, the
 /// command exited): after `grace`, but while leading no later than validity allows, and at
 /// once when not leading.
-pub fn shutdown_kill_at(
+pub(crate) fn shutdown_kill_at(
     now: Instant,
     state: &LeaderState,
     since: Instant,
@@ -301,11 +301,11 @@ enum Ended {
     Signalled,
 }
 
-pub async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
         .identity
         .clone()
-        .unwrap_or_else(crate::identity::default_identity);
+        .unwrap_or_else(crate::runtime::identity::default_identity);
     let grace = grace_of(args.grace_seconds)?;
     // Orphaned descendants of the command are re-parented to this process, not to init, so
     // that they can be found and stopped with the rest of the tree.
@@ -583,7 +583,7 @@ mod tree {
 
     /// One process as /proc/PID/stat shows it.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub struct ProcInfo {
+    pub(super) struct ProcInfo {
         pub pid: i32,
         pub ppid: i32,
         pub pgid: i32,
@@ -591,7 +591,7 @@ mod tree {
     }
 
     /// Parses /proc/PID/stat: `pid (comm) state ppid ...`; comm may hold spaces and `)`.
-    pub fn parse_stat(text: &str) -> Option<ProcInfo> {
+    pub(super) fn parse_stat(text: &str) -> Option<ProcInfo> {
         let (head, rest) = text.rsplit_once(')')?;
         let pid = head.split_once(" (")?.0.trim().parse().ok()?;
         let mut fields = rest.split_ascii_whitespace();
@@ -611,7 +611,11 @@ mod tree {
     /// a group of another session, so the command's processes never share `root_group`;
     /// children this process starts otherwise (a kubeconfig exec credential plugin) do, and
     /// are left to whoever waits for them.
-    pub fn command_processes(table: &[ProcInfo], root: i32, root_group: i32) -> Vec<ProcInfo> {
+    pub(super) fn command_processes(
+        table: &[ProcInfo],
+        root: i32,
+        root_group: i32,
+    ) -> Vec<ProcInfo> {
         descendants(table, root, Some(root_group))
     }
 
@@ -670,7 +674,7 @@ mod tree {
     /// may fork between the scan and the signal), until only zombies are left (the keeper's
     /// main thread reaps them) or `REAP_TIMEOUT` has passed. A zombie is signalled too: a
     /// process whose main thread exited shows as one while its other threads run.
-    pub fn kill_all_descendants() {
+    pub(super) fn kill_all_descendants() {
         let me = getpid().as_raw();
         let started = std::time::Instant::now();
         loop {
@@ -687,7 +691,7 @@ mod tree {
 
     /// Reaps exited command processes re-parented to this process, other than `except`
     /// (tokio reaps the command's own process; waiting on it here would steal its status).
-    pub fn reap_orphans(except: Option<Pid>) {
+    pub(super) fn reap_orphans(except: Option<Pid>) {
         let me = getpid().as_raw();
         for p in command_processes_now() {
             if p.ppid == me && p.zombie && Some(p.pid) != except.map(Pid::as_raw) {
@@ -704,7 +708,7 @@ mod tree {
     }
 
     /// What stopping the tree took.
-    pub struct Outcome {
+    pub(super) struct Outcome {
         /// When SIGKILL went out (None: the tree was gone after SIGTERM).
         pub sigkill_at: Option<Instant>,
         /// Processes still there `REAP_TIMEOUT` after SIGKILL.
@@ -713,7 +717,7 @@ mod tree {
 
     /// SIGTERM to the command's group and all descendants now; SIGKILL to all of them at
     /// `kill_at` if any is left (repeated until no descendant remains), reaping as they go.
-    pub async fn stop(child: &mut Child, group: Pid, kill_at: Instant) -> Outcome {
+    pub(super) async fn stop(child: &mut Child, group: Pid, kill_at: Instant) -> Outcome {
         if clock::now() < kill_at {
             signal_all(group, Signal::SIGTERM);
             loop {

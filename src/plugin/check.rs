@@ -3,8 +3,8 @@
 //! [`rbac`] checks the sidecar's rights in the namespace (-n), [`control`] that protection
 //! follows control there.
 
-pub mod control;
-pub mod rbac;
+pub(super) mod control;
+pub(super) mod rbac;
 
 use std::sync::Arc;
 
@@ -23,15 +23,15 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 
 /// The label every object of the chart carries.
-pub const PART_OF_SELECTOR: &str = "app.kubernetes.io/part-of=fencedlease";
+pub(super) const PART_OF_SELECTOR: &str = "app.kubernetes.io/part-of=fencedlease";
 /// The chart's label telling its two Deployments apart.
-pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+pub(super) const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
 /// The webhook Deployment's volume with the serving certificate (charts/.../deployment.yaml).
-pub const CERTS_VOLUME: &str = "certs";
+pub(super) const CERTS_VOLUME: &str = "certs";
 
 /// One line of the report.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Finding {
+pub(super) struct Finding {
     pub ok: bool,
     pub what: String,
     /// For failures: what to do next.
@@ -56,7 +56,7 @@ impl Finding {
 }
 
 /// The report, one line per finding, failures followed by what to do.
-pub fn render(findings: &[Finding]) -> String {
+pub(super) fn render(findings: &[Finding]) -> String {
     let mut out = String::new();
     for f in findings {
         let mark = if f.ok { "✓" } else { "✗" };
@@ -86,7 +86,7 @@ fn version_view(v: &CustomResourceDefinitionVersion) -> serde_json::Value {
 }
 
 /// Verdicts on the served CRD against the one this binary generates for the server.
-pub fn crd_findings(
+pub(super) fn crd_findings(
     served: Option<&CustomResourceDefinition>,
     expected: &CustomResourceDefinition,
 ) -> Vec<Finding> {
@@ -132,7 +132,7 @@ pub fn crd_findings(
 
 /// One webhook of a configuration, as `check` looks at it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Hook {
+pub(super) struct Hook {
     /// "ValidatingWebhookConfiguration x, webhook y".
     pub label: String,
     pub ca_bundle: Vec<u8>,
@@ -156,7 +156,7 @@ fn hook(kind: &str, config: &str, name: &str, client: &WebhookClientConfig) -> H
 }
 
 /// The webhooks of the chart's configurations.
-pub fn hooks(
+pub(super) fn hooks(
     validating: &[ValidatingWebhookConfiguration],
     mutating: &[MutatingWebhookConfiguration],
 ) -> Vec<Hook> {
@@ -186,7 +186,7 @@ pub fn hooks(
 }
 
 /// Whether `ca_bundle` (PEM) verifies `cert_pem` (the serving certificate, PEM) for `host`.
-pub fn ca_verifies(ca_bundle: &[u8], cert_pem: &[u8], host: &str) -> Result<(), String> {
+pub(super) fn ca_verifies(ca_bundle: &[u8], cert_pem: &[u8], host: &str) -> Result<(), String> {
     let mut roots = rustls::RootCertStore::empty();
     for ca in CertificateDer::pem_slice_iter(ca_bundle) {
         let ca = ca.map_err(|e| format!("the caBundle is not PEM: {e}"))?;
@@ -215,7 +215,7 @@ pub fn ca_verifies(ca_bundle: &[u8], cert_pem: &[u8], host: &str) -> Result<(), 
 /// Verdicts on the webhook configurations. `serving_cert` is the webhook's serving
 /// certificate (PEM) when it could be read; `policy` whether a ValidatingAdmissionPolicy of
 /// the chart guards writes instead of (or besides) the fencing webhook.
-pub fn webhook_findings(
+pub(super) fn webhook_findings(
     validating: &[ValidatingWebhookConfiguration],
     mutating: &[MutatingWebhookConfiguration],
     policy: bool,
@@ -303,7 +303,7 @@ fn available(d: &Deployment) -> bool {
 /// Verdicts on the chart's controller and webhook Deployments. `webhook` says whether a
 /// webhook server is expected (a webhook configuration exists; policy mode without injection
 /// runs none).
-pub fn deployment_findings(deployments: &[Deployment], webhook: bool) -> Vec<Finding> {
+pub(super) fn deployment_findings(deployments: &[Deployment], webhook: bool) -> Vec<Finding> {
     let mut out = Vec::new();
     let roles: &[&str] = if webhook {
         &["controller", "webhook"]
@@ -341,7 +341,7 @@ pub fn deployment_findings(deployments: &[Deployment], webhook: bool) -> Vec<Fin
 
 /// The Secret holding the webhook's serving certificate: (namespace, name), from the webhook
 /// Deployment's `certs` volume.
-pub fn serving_secret(deployments: &[Deployment]) -> Option<(String, String)> {
+pub(super) fn serving_secret(deployments: &[Deployment]) -> Option<(String, String)> {
     let d = deployments
         .iter()
         .find(|d| component(d) == Some("webhook"))?;
@@ -371,7 +371,7 @@ fn read(what: &'static str) -> impl FnOnce(kube::Error) -> CheckError {
 }
 
 /// Fetches everything and returns the findings.
-pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, CheckError> {
+pub(super) async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, CheckError> {
     let v = client
         .apiserver_version()
         .await
@@ -424,9 +424,9 @@ pub async fn gather(client: &Client, probe_ns: &str) -> Result<Vec<Finding>, Che
 }
 
 /// The name of the ConfigMap the fence probe pretends to create.
-pub const PROBE_OBJECT: &str = "fencedlease-check-probe";
+pub(super) const PROBE_OBJECT: &str = "fencedlease-check-probe";
 /// The lease the probe names: one nobody holds (the fence refuses either way).
-pub const PROBE_LEASE: &str = "fencedlease-check-probe";
+pub(super) const PROBE_LEASE: &str = "fencedlease-check-probe";
 
 /// Asks the API server to create, as a dry run, a ConfigMap in `ns` labelled with a lease and
 /// carrying no token: the fence (a webhook replica, or the policy) must refuse it. Nothing is
@@ -452,7 +452,7 @@ async fn probe_fence(client: &Client, ns: &str) -> Result<(), kube::Error> {
 
 /// The verdict on the fence probe in `ns`: refused by fencedlease means a replica (or the
 /// policy) answered on the path of real writes.
-pub fn fence_finding(probe: &Result<(), kube::Error>, ns: &str) -> Finding {
+pub(super) fn fence_finding(probe: &Result<(), kube::Error>, ns: &str) -> Finding {
     let pods = "kubectl get pods -A -l app.kubernetes.io/part-of=fencedlease,app.kubernetes.io/component=webhook, and read their logs";
     match probe {
         Err(kube::Error::Api(s)) if s.message.contains("fencedlease") && !s.message.contains("failed calling webhook") => {
@@ -600,8 +600,8 @@ mod tests {
     #[test]
     fn the_ca_bundle_is_verified_against_the_serving_certificate() {
         let host = "fl-webhook.fl.svc".to_string();
-        let ours = crate::webhook::tls::generate(std::slice::from_ref(&host), None).unwrap();
-        let other = crate::webhook::tls::generate(std::slice::from_ref(&host), None).unwrap();
+        let ours = crate::runtime::tls::generate(std::slice::from_ref(&host), None).unwrap();
+        let other = crate::runtime::tls::generate(std::slice::from_ref(&host), None).unwrap();
         let (v, m) = hooks_with(&b64(&ours.ca_cert));
         let f = webhook_findings(&v, &m, false, Some(ours.cert.as_bytes()));
         assert!(f.iter().all(|f| f.ok), "{f:?}");

@@ -23,7 +23,7 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// `RESOURCE/NAME` split, with RESOURCE as kubectl takes it: a plural, singular or kind,
 /// optionally with `.group` (`configmap/inventory`, `deployments.apps/web`).
-pub fn parse_target(target: &str) -> Result<(String, Option<String>, String), PluginError> {
+pub(super) fn parse_target(target: &str) -> Result<(String, Option<String>, String), PluginError> {
     let bad = || PluginError::Target(target.to_string());
     let (resource, name) = target.split_once('/').ok_or_else(bad)?;
     if resource.is_empty() || name.is_empty() || name.contains('/') {
@@ -38,7 +38,7 @@ pub fn parse_target(target: &str) -> Result<(String, Option<String>, String), Pl
 }
 
 /// Whether the API resource `ar` is the one `resource` (and `group`, if given) names.
-pub fn names(ar: &ApiResource, resource: &str, group: Option<&str>) -> bool {
+pub(super) fn names(ar: &ApiResource, resource: &str, group: Option<&str>) -> bool {
     let kind = ar.kind.to_ascii_lowercase();
     let plural = ar.plural.to_ascii_lowercase();
     let singular_ok = resource == kind || resource == plural;
@@ -107,7 +107,7 @@ async fn wait_to_lead(
 }
 
 /// Takes the lease of `target`'s object, announces the delete, deletes, gives the lease back.
-pub async fn delete(
+pub(super) async fn delete(
     client: &Client,
     ns: &str,
     target: &str,

@@ -4,9 +4,9 @@
 //!
 //! Decisions are pure ([`view`], [`check`]); this module does the I/O around them.
 
-pub mod check;
-pub mod delete;
-pub mod view;
+mod check;
+mod delete;
+mod view;
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;

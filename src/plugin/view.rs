@@ -6,12 +6,12 @@ use kube::ResourceExt;
 use serde::Serialize;
 
 use crate::api::{FencedLease, ROLE_LABEL};
-use crate::pods::{lease_of, LEADER_ROLE};
+use crate::controller::pods::{lease_of, LEADER_ROLE};
 
 /// One lease as `status` shows it (and prints with `-o json`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct LeaseRow {
+pub(super) struct LeaseRow {
     pub namespace: String,
     pub name: String,
     pub holder: Option<String>,
@@ -29,7 +29,7 @@ pub struct LeaseRow {
 /// A pod annotated for the lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Candidate {
+pub(super) struct Candidate {
     pub name: String,
     pub ready: bool,
     /// Carries the leader label the controller moves to the holder's pod.
@@ -38,7 +38,7 @@ pub struct Candidate {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ConditionRow {
+pub(super) struct ConditionRow {
     #[serde(rename = "type")]
     pub type_: String,
     pub status: String,
@@ -47,7 +47,7 @@ pub struct ConditionRow {
 }
 
 /// The token of the current holder: `status.token` when the status names the spec's holder.
-pub fn held_token(lease: &FencedLease) -> Option<i64> {
+pub(super) fn held_token(lease: &FencedLease) -> Option<i64> {
     let holder = lease.holder()?;
     let status = lease.status.as_ref()?;
     (status.holder_identity.as_deref() == Some(holder))
@@ -74,7 +74,7 @@ fn is_leader(pod: &Pod) -> bool {
 
 /// The pods of `pods` that campaign for `lease` (same namespace, `fencedlease.io/lease`
 /// annotation naming it), by name.
-pub fn candidates(lease: &FencedLease, pods: &[Pod]) -> Vec<Candidate> {
+pub(super) fn candidates(lease: &FencedLease, pods: &[Pod]) -> Vec<Candidate> {
     let ns = lease.namespace();
     let name = lease.name_any();
     let mut out: Vec<Candidate> = pods
@@ -91,7 +91,7 @@ pub fn candidates(lease: &FencedLease, pods: &[Pod]) -> Vec<Candidate> {
 }
 
 /// The row for one lease, at `now`.
-pub fn lease_row(lease: &FencedLease, pods: &[Pod], now: Timestamp) -> LeaseRow {
+pub(super) fn lease_row(lease: &FencedLease, pods: &[Pod], now: Timestamp) -> LeaseRow {
     let status = lease.status.clone().unwrap_or_default();
     let renewed_seconds_ago = status.renew_time.as_ref().map(|t| {
         let ago = now.as_second() - t.0.as_second();
@@ -124,14 +124,14 @@ pub fn lease_row(lease: &FencedLease, pods: &[Pod], now: Timestamp) -> LeaseRow 
 }
 
 /// Rows for all leases, sorted by namespace and name.
-pub fn lease_rows(leases: &[FencedLease], pods: &[Pod], now: Timestamp) -> Vec<LeaseRow> {
+pub(super) fn lease_rows(leases: &[FencedLease], pods: &[Pod], now: Timestamp) -> Vec<LeaseRow> {
     let mut rows: Vec<LeaseRow> = leases.iter().map(|l| lease_row(l, pods, now)).collect();
     rows.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
     rows
 }
 
 /// A duration as kubectl prints ages: `42s`, `3m5s`, `2h7m`, `4d3h`.
-pub fn age(seconds: i64) -> String {
+pub(super) fn age(seconds: i64) -> String {
     let s = seconds.max(0);
     match s {
         0..60 => format!("{s}s"),
@@ -187,7 +187,7 @@ fn cells(row: &LeaseRow, with_namespace: bool) -> Vec<String> {
 }
 
 /// The `status` table: one line per lease, columns padded (the last one is not).
-pub fn table(rows: &[LeaseRow], with_namespace: bool) -> String {
+pub(super) fn table(rows: &[LeaseRow], with_namespace: bool) -> String {
     let mut header = vec![
         "NAME",
         "HOLDER",
@@ -242,7 +242,7 @@ pub enum NoHolder {
 }
 
 /// The `who` line, `HOLDER TOKEN`, or why there is none.
-pub fn who(lease: &FencedLease) -> Result<String, NoHolder> {
+pub(super) fn who(lease: &FencedLease) -> Result<String, NoHolder> {
     let name = format!(
         "{}/{}",
         lease.namespace().unwrap_or_default(),

@@ -11,14 +11,14 @@ use crate::api::{
     DELETE_INTENT_ANNOTATION, KEY_PREFIX, LEASE_LABEL, LEASE_UID_ANNOTATION, MODE_ANNOTATION,
     TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
-use crate::fencing::{
-    decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt, REFUSAL_CODE,
-    REFUSAL_REASON,
+use crate::stamp::{REFUSAL_CODE, REFUSAL_REASON};
+use crate::webhook::fence::{
+    decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt,
 };
 
 /// The largest request body read; an AdmissionReview for an update carries two objects of at
 /// most 1.5 MiB each (etcd's default request limit), plus envelope.
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+pub(super) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// What the webhook must decide about one request.
 #[derive(Debug)]
@@ -109,7 +109,7 @@ pub struct Judgement {
 }
 
 impl Judgement {
-    pub fn attempt(&self) -> WriteAttempt<'_> {
+    pub(super) fn attempt(&self) -> WriteAttempt<'_> {
         WriteAttempt {
             lease_name: &self.lease_name,
             namespace: &self.namespace,
@@ -134,7 +134,7 @@ pub enum Via {
 
 impl Via {
     /// The subresource as the message names it.
-    pub fn path(self) -> &'static str {
+    pub(super) fn path(self) -> &'static str {
         match self {
             Via::Scale => "scale",
             Via::Binding => "binding",
@@ -142,7 +142,7 @@ impl Via {
     }
 
     /// The metric label of a refusal.
-    pub fn denied_label(self) -> &'static str {
+    pub(super) fn denied_label(self) -> &'static str {
         match self {
             Via::Scale => "denied_scale",
             Via::Binding => "denied_binding",
@@ -150,7 +150,12 @@ impl Via {
     }
 
     /// Which write, if any, acts on a parent: `resource` and `sub` as the review names them.
-    pub fn of(group: &str, resource: &str, sub: Option<&str>, op: &Operation) -> Option<Via> {
+    pub(super) fn of(
+        group: &str,
+        resource: &str,
+        sub: Option<&str>,
+        op: &Operation,
+    ) -> Option<Via> {
         match (group, resource, sub, op) {
             (_, _, Some("scale"), Operation::Update) => Some(Via::Scale),
             ("", "pods", Some("binding"), Operation::Create) => Some(Via::Binding),
@@ -175,7 +180,7 @@ pub struct ParentCheck {
 
 impl ParentCheck {
     /// The refusal for a protected object.
-    pub fn refuse(&self, lease: &str) -> AdmissionResponse {
+    pub(super) fn refuse(&self, lease: &str) -> AdmissionResponse {
         let (path, what) = (self.via.path(), self.what_to_do());
         let msg = format!(
             "fencedlease: {}/{path} {}/{} is protected by FencedLease {}/{lease} (label {LEASE_LABEL}); a write through /{path} cannot carry a fencing token, so it is refused; {what}",
@@ -198,7 +203,7 @@ impl ParentCheck {
 }
 
 /// An answer that refuses a request that could not be read at all.
-pub fn unreadable(reason: &str) -> AdmissionReview<DynamicObject> {
+pub(super) fn unreadable(reason: &str) -> AdmissionReview<DynamicObject> {
     AdmissionResponse::invalid(format!(
         "fencedlease: cannot read the AdmissionReview: {reason}"
     ))
@@ -622,7 +627,7 @@ fn message(j: &Judgement, r: &Refusal) -> String {
 }
 
 /// Refuses (or, where the namespace says warn, allows with a warning).
-pub fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'static str) {
+pub(super) fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'static str) {
     let msg = message(j, r);
     let mut resp = j.response.clone();
     match mode {
@@ -641,7 +646,7 @@ pub fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'s
 }
 
 /// Refuses because the lease (or the scaled object) could not be read to decide (fail closed).
-pub fn unconfirmed(
+pub(super) fn unconfirmed(
     response: &AdmissionResponse,
     what: &str,
     detail: &str,

@@ -34,7 +34,7 @@ use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
 
 /// A read's outcome: the value, or what went wrong, as text.
-pub type Outcome<V> = Result<V, String>;
+pub(super) type Outcome<V> = Result<V, String>;
 
 type ReadFn<K, V> = dyn Fn(K) -> BoxFuture<'static, Outcome<V>> + Send + Sync;
 
@@ -43,7 +43,7 @@ type Batch<V> = Vec<oneshot::Sender<Outcome<V>>>;
 
 /// How long a read, and a member's whole wait, may take.
 #[derive(Clone, Copy, Debug)]
-pub struct Bounds {
+pub(super) struct Bounds {
     /// A read that takes longer ends with an error (a backstop: the read function should
     /// bound itself first).
     pub read_timeout: Duration,
@@ -54,7 +54,7 @@ pub struct Bounds {
 
 /// Whether concurrent requests for one key share reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Sharing {
+pub(super) enum Sharing {
     /// Requests that arrive while a read of their key is in flight share the key's next read
     /// (the module documentation's rule; what the webhook does).
     Coalesce,
@@ -65,7 +65,7 @@ pub enum Sharing {
 
 /// The counters a coalescer increments.
 #[derive(Clone, Debug, Default)]
-pub struct Counters {
+pub(super) struct Counters {
     /// Reads actually sent.
     pub reads: Counter,
     /// Requests answered by a read that answered other requests too.
@@ -73,7 +73,7 @@ pub struct Counters {
 }
 
 /// Coalesces concurrent reads of the same key (see the module documentation for the rule).
-pub struct Coalescer<K, V> {
+pub(super) struct Coalescer<K, V> {
     inner: Arc<Inner<K, V>>,
 }
 
@@ -93,7 +93,7 @@ where
     V: Clone + Send + 'static,
 {
     /// A coalescer that reads a key with `read`, sharing reads as `sharing` says.
-    pub fn new<F, Fut>(
+    pub(super) fn new<F, Fut>(
         read: F,
         bounds: Bounds,
         counters: Counters,
@@ -116,7 +116,7 @@ where
 
     /// The outcome of a read of `key` sent after this call began. Must be called within a
     /// Tokio runtime (the reads run in tasks of their own).
-    pub async fn read(&self, key: K) -> Outcome<V> {
+    pub(super) async fn read(&self, key: K) -> Outcome<V> {
         if self.inner.sharing == Sharing::PerRequest {
             self.inner.counters.reads.inc();
             return self.inner.read_once(key).await;

@@ -21,7 +21,7 @@ use crate::api::{
 /// Why a pod is refused injection. Each message is for the pod's author: what is wrong and what
 /// to write instead.
 #[derive(Debug, thiserror::Error)]
-pub enum InjectError {
+pub(super) enum InjectError {
     #[error("the pod has no spec")]
     NoSpec,
     #[error(
@@ -54,7 +54,7 @@ pub enum InjectError {
 
 /// Why `--sidecar-resources` is refused.
 #[derive(Debug, thiserror::Error)]
-pub enum ResourcesError {
+pub(super) enum ResourcesError {
     #[error("not JSON ({0}); e.g. '{{\"requests\":{{\"cpu\":\"10m\"}}}}'")]
     NotJson(serde_json::Error),
     #[error("must be a JSON object")]
@@ -75,7 +75,7 @@ pub enum ResourcesError {
 
 /// Why the webhook cannot read a pod from an AdmissionReview.
 #[derive(Debug, thiserror::Error)]
-pub enum PodError {
+pub(super) enum PodError {
     #[error("it is not a JSON object")]
     NotAnObject,
     #[error(transparent)]
@@ -90,22 +90,22 @@ pub enum PodError {
 
 /// The range of the sidecar's API port a pod may choose: the sidecar also takes the next two
 /// (the proxy and the probe ports).
-pub const MIN_SIDECAR_PORT: u16 = 1024;
+pub(super) const MIN_SIDECAR_PORT: u16 = 1024;
 /// See [`MIN_SIDECAR_PORT`].
-pub const MAX_SIDECAR_PORT: u16 = 65533;
+pub(super) const MAX_SIDECAR_PORT: u16 = 65533;
 
 /// The name of the sidecar's probe port (/healthz, /readyz, and /metrics without the token),
 /// which the chart's PodMonitor scrapes.
 pub const PROBE_PORT_NAME: &str = "fencedlease";
 /// Name of the injected container and of the token volume.
 pub use crate::api::SIDECAR_CONTAINER as CONTAINER;
-pub const VOLUME: &str = "fencedlease-token";
+pub(super) const VOLUME: &str = "fencedlease-token";
 /// The sidecar's defaults, which the injected container relies on.
-pub use crate::api::{SIDECAR_PORT as DEFAULT_PORT, TOKEN_DIR};
+pub(super) use crate::api::{SIDECAR_PORT as DEFAULT_PORT, TOKEN_DIR};
 
 /// How to build the sidecar container.
 #[derive(Clone, Debug)]
-pub struct InjectConfig {
+pub(super) struct InjectConfig {
     pub image: String,
     pub image_pull_policy: String,
     /// The server runs sidecars natively (1.29 and later: an init container with
@@ -118,12 +118,12 @@ pub struct InjectConfig {
     /// one from the namespace's range).
     pub run_as_user: Option<i64>,
     /// The sidecar's log format.
-    pub log_format: crate::logging::LogFormat,
+    pub log_format: crate::runtime::logging::LogFormat,
 }
 
 /// The sidecar's resources when the webhook is given none: small requests, a memory limit, and
 /// a CPU limit of 200m (a CPU limit can throttle renewals on a busy node: the chart drops it).
-pub fn default_resources() -> Value {
+pub(super) fn default_resources() -> Value {
     json!({
         "requests": {"cpu": "10m", "memory": "16Mi"},
         "limits": {"cpu": "200m", "memory": "64Mi"},
@@ -133,7 +133,7 @@ pub fn default_resources() -> Value {
 /// Is `s` a Kubernetes quantity as the sidecar's resources take one: a plain decimal number
 /// with at most one suffix (m, k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei), e.g. `250m`, `64Mi`,
 /// `0.5`? (Exponent forms are refused: nobody writes them here.)
-pub fn is_quantity(s: &str) -> bool {
+pub(super) fn is_quantity(s: &str) -> bool {
     const SUFFIXES: [&str; 13] = [
         "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m", "k", "M", "G", "T", "P", "E",
     ];
@@ -150,7 +150,7 @@ pub fn is_quantity(s: &str) -> bool {
 
 /// Checks `--sidecar-resources`: a JSON object with only `requests` and `limits`, each mapping
 /// `cpu` and/or `memory` to a quantity.
-pub fn parse_resources(raw: &str) -> Result<Value, ResourcesError> {
+pub(super) fn parse_resources(raw: &str) -> Result<Value, ResourcesError> {
     use ResourcesError as E;
     let v: Value = serde_json::from_str(raw).map_err(E::NotJson)?;
     let obj = v.as_object().ok_or(E::NotAnObject)?;
@@ -205,7 +205,7 @@ fn sidecar_resources(pod: &PodIn, default: &Value) -> Result<Value, InjectError>
 
 /// What injection decided.
 #[derive(Debug, PartialEq)]
-pub enum Injection {
+pub(super) enum Injection {
     /// Nothing to do, and why.
     Skip(&'static str),
     /// Add these to the pod ([`patch`] says where).
@@ -214,7 +214,7 @@ pub enum Injection {
 
 /// What injection adds to a pod.
 #[derive(Debug, PartialEq)]
-pub struct Additions {
+pub(super) struct Additions {
     /// The sidecar container (with `restartPolicy: Always` when native).
     pub sidecar: Value,
     /// A native sidecar, first among the init containers; else the last container.
@@ -232,7 +232,7 @@ pub struct Additions {
 /// (kube writes the patch as a JSON array of numbers). At this many the answer is ~350 KB
 /// (measured, with the proxy); without a bound, a 0.5 MiB pod of 175,000 empty containers
 /// made a 203 MB answer, and Kubernetes calls mutating webhooks before it validates a pod.
-pub const MAX_APP_CONTAINERS: usize = 256;
+pub(super) const MAX_APP_CONTAINERS: usize = 256;
 
 /// What injection reads of a pod, and nothing more: its `fencedlease.io/` labels and
 /// annotations, and the shape of its spec. Everything else is skipped as the pod is read, so
@@ -241,7 +241,7 @@ pub const MAX_APP_CONTAINERS: usize = 256;
 /// is made against the pod as sent, so fields this build does not know are kept all the same.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PodIn {
+pub(super) struct PodIn {
     #[serde(default)]
     api_version: Option<String>,
     #[serde(default)]
@@ -362,7 +362,7 @@ impl<'de> Deserialize<'de> for Listed {
 impl PodIn {
     /// Reads a pod from its JSON: an object, whose `apiVersion` and `kind`, when given, are a
     /// Pod's.
-    pub fn from_json(json: &str) -> Result<PodIn, PodError> {
+    pub(super) fn from_json(json: &str) -> Result<PodIn, PodError> {
         if !json.trim_start().starts_with('{') {
             return Err(PodError::NotAnObject);
         }
@@ -397,7 +397,7 @@ fn opted_out(pod: &PodIn) -> bool {
 /// Refuses a pod on the node's network (`hostNetwork: true`). Its loopback is the node's: every
 /// process on the node could read the token from the sidecar's API on 127.0.0.1 and write with
 /// the pod's token through the sidecar's API proxy.
-pub fn refuse_host_network(host_network: Option<bool>) -> Result<(), InjectError> {
+pub(super) fn refuse_host_network(host_network: Option<bool>) -> Result<(), InjectError> {
     match host_network {
         Some(true) => Err(InjectError::HostNetwork),
         _ => Ok(()),
@@ -468,7 +468,7 @@ fn options<'a>(pod: &'a PodIn, lease: &'a str) -> Result<Options<'a>, InjectErro
 }
 
 /// Decides the injection. Errors are messages for the pod's author.
-pub fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, InjectError> {
+pub(super) fn inject(pod: &PodIn, cfg: &InjectConfig) -> Result<Injection, InjectError> {
     let Some(lease) = annotation(pod, LEASE_ANNOTATION) else {
         return Ok(Injection::Skip("no lease annotation"));
     };
@@ -563,7 +563,7 @@ fn sidecar(o: &Options, cfg: &InjectConfig, resources: Value) -> Value {
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-            {"name": crate::logging::FORMAT_ENV, "value": cfg.log_format.as_str()},
+            {"name": crate::runtime::logging::FORMAT_ENV, "value": cfg.log_format.as_str()},
         ],
         "resources": resources,
         "securityContext": {
@@ -621,7 +621,7 @@ fn append(ops: &mut Vec<PatchOperation>, path: PointerBuf, listed: bool, items: 
 /// operations: each appends to an array (`/-`), puts the native sidecar first among the init
 /// containers (`/spec/initContainers/0`, an insertion), or creates a member the pod lacks.
 /// Nothing the pod's author wrote is replaced, reordered or dropped.
-pub fn patch(pod: &PodIn, additions: &Additions) -> Patch {
+pub(super) fn patch(pod: &PodIn, additions: &Additions) -> Patch {
     use std::slice::from_ref;
     let spec = pod.spec.as_ref();
     let containers = spec.and_then(|s| s.containers.as_deref());
@@ -658,7 +658,7 @@ pub fn patch(pod: &PodIn, additions: &Additions) -> Patch {
 
 /// Does a server of this version run native sidecars? (`major`/`minor` as /version reports
 /// them; minor may carry a `+`.)
-pub fn supports_native_sidecars(major: &str, minor: &str) -> bool {
+pub(super) fn supports_native_sidecars(major: &str, minor: &str) -> bool {
     let num = |s: &str| s.trim_end_matches('+').parse::<u32>().ok();
     match (num(major), num(minor)) {
         (Some(1), Some(m)) => m >= 29,
@@ -697,7 +697,7 @@ struct RequestIn<'a> {
 }
 
 /// Answers one mutating AdmissionReview for a pod. Always returns a review.
-pub fn review(
+pub(super) fn review(
     body: &[u8],
     cfg: &InjectConfig,
 ) -> (
@@ -770,7 +770,7 @@ mod tests {
             native_sidecars: native,
             resources: default_resources(),
             run_as_user: Some(65532),
-            log_format: crate::logging::LogFormat::Text,
+            log_format: crate::runtime::logging::LogFormat::Text,
         }
     }
     /// What `inject` decides for `raw`, the pod as the API server sends it; its patch; and the
@@ -1476,7 +1476,7 @@ mod tests {
         let p = pod(json!({LEASE_ANNOTATION: "db"}));
         let mut c = cfg(false);
         c.run_as_user = None;
-        c.log_format = crate::logging::LogFormat::Json;
+        c.log_format = crate::runtime::logging::LogFormat::Json;
         let Ok(Injection::Inject(a)) = judged(&p, &c) else {
             panic!("expected an injection")
         };

@@ -11,10 +11,10 @@
 //! FencedLease renewals: its configuration lists only the protected resource types.
 
 pub mod admission;
-pub mod coalesce;
+mod coalesce;
+pub mod fence;
 pub mod inject;
 pub mod server;
-pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -46,10 +46,12 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
-use crate::fencing::{decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS};
+use crate::runtime::tls::{self, CertFiles, ReloadingCert};
+use crate::webhook::fence::{
+    decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS,
+};
 use admission::{AutoscalerCheck, Judgement, ParentCheck, Parsed, ScaleTarget};
 use coalesce::Coalescer;
-use tls::{CertFiles, ReloadingCert};
 
 /// How long a read of a lease (or of a scaled object, or a namespace) may take before the
 /// webhook refuses the write (fail closed).
@@ -124,7 +126,7 @@ pub struct WebhookArgs {
     pub sidecar_run_as_user: RunAsUser,
     /// Log format of the injected sidecar.
     #[arg(long, value_enum, default_value_t)]
-    pub sidecar_log_format: crate::logging::LogFormat,
+    pub sidecar_log_format: crate::runtime::logging::LogFormat,
     /// A user allowed to update protected objects without a token as long as it leaves their
     /// fencing label and annotations alone (repeat the flag). Given at least once, the list
     /// replaces the default: kube-controller-manager and its controllers' ServiceAccounts in
@@ -166,7 +168,7 @@ impl WebhookArgs {
     }
 
     /// The exemptions, checked.
-    pub fn exemptions(&self) -> Result<Exemptions, crate::fencing::ExemptionError> {
+    pub(crate) fn exemptions(&self) -> Result<Exemptions, crate::webhook::fence::ExemptionError> {
         let users = if self.exempt_users.is_empty() {
             DEFAULT_EXEMPT_USERS.iter().map(|u| u.to_string()).collect()
         } else {
@@ -190,7 +192,7 @@ pub struct CertsArgs {
 }
 
 /// `fencedlease certs`: a local CA and serving certificate; prints the caBundle.
-pub fn certs(args: CertsArgs) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) fn certs(args: CertsArgs) -> anyhow::Result<std::process::ExitCode> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let ca = if args.reuse_ca {
@@ -773,9 +775,9 @@ async fn guarded_response(
 
 /// Ready once the lease cache has synced and the API server was readable within
 /// `API_HEALTH_WINDOW` (see [`ApiHealth`]).
-fn readiness(shared: &Arc<Shared>) -> crate::admin::Readiness {
+fn readiness(shared: &Arc<Shared>) -> crate::runtime::admin::Readiness {
     let s = shared.clone();
-    crate::admin::Readiness::from_fn(move || {
+    crate::runtime::admin::Readiness::from_fn(move || {
         s.health.refresh();
         if s.health.ready.load(Ordering::Relaxed) {
             Ok(())
@@ -811,7 +813,7 @@ async fn wait_for_certificate(
     }
 }
 
-pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let exemptions = args
         .exemptions()
         .context("checking --exempt-user and --exempt-group")?;
@@ -849,7 +851,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
 
     let readiness = readiness(&shared);
     let stop = rt.shutdown().clone();
-    let admin = crate::admin::AdminServer::start(
+    let admin = crate::runtime::admin_port::AdminServer::start(
         args.metrics_addr,
         readiness.clone(),
         Arc::new(registry),
@@ -858,7 +860,7 @@ pub async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitCode> {
     let app = Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
-        .merge(crate::admin::health_routes(readiness))
+        .merge(crate::runtime::admin::health_routes(readiness))
         .with_state(shared);
     let served = server::serve_until(
         args.listen,

@@ -48,15 +48,11 @@ use super::admission;
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;
 
-/// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
-pub const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
 /// What the webhook holds with no request at all: runtime, TLS and Kubernetes clients, and the
 /// FencedLease cache (without managedFields). An estimate with room: a debug build with a few
 /// leases measured 32 MiB; the controller, which caches leases and pods, measured 57.6 MiB
 /// with 10,000 leases.
-pub const BASELINE_BYTES: usize = 40 * MIB;
-/// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
-pub const HEADROOM_BYTES: usize = 16 * MIB;
+const BASELINE_BYTES: usize = 40 * MIB;
 /// rustls state per connection, at most: the handshake message being reassembled (64 KiB),
 /// decrypted plaintext not yet read (16 KiB), encrypted output (64 KiB), and keys.
 const TLS_STATE_BYTES: usize = 160 * KIB;
@@ -192,7 +188,7 @@ impl Default for Limits {
 
 impl Limits {
     /// The most one connection can make the webhook hold, request bodies aside (see [`Limits`]).
-    pub fn connection_bytes(&self) -> usize {
+    pub(super) fn connection_bytes(&self) -> usize {
         let per_stream = self.h2_stream_window_bytes as usize
             + self.max_header_bytes as usize
             + ANSWER_BYTES
@@ -210,7 +206,7 @@ impl Limits {
     }
 
     /// The most the webhook can hold with every bound reached at once (see [`Limits`]).
-    pub fn worst_case_bytes(&self) -> usize {
+    pub(super) fn worst_case_bytes(&self) -> usize {
         BASELINE_BYTES
             + self.max_connections * self.connection_bytes()
             + self.max_waiting * (2 * self.socket_receive_buffer_bytes as usize + TASK_BYTES)
@@ -344,7 +340,8 @@ impl BodyBudget {
     }
 
     /// Bytes of the budget not held by any request now.
-    pub fn available(&self) -> usize {
+    #[cfg(test)]
+    fn available(&self) -> usize {
         self.bytes.available_permits()
     }
 
@@ -389,7 +386,7 @@ pub struct BudgetGuard(Vec<Held>);
 
 impl BudgetGuard {
     /// Bytes of the budget held (the body buffer's capacity, and what an answer added).
-    pub fn bytes(&self) -> usize {
+    pub(super) fn bytes(&self) -> usize {
         self.0.iter().map(|h| h.permit.num_permits()).sum()
     }
 }
@@ -399,7 +396,7 @@ impl BudgetGuard {
 /// answer has been handed to the connection, so that answers count in the byte budget like
 /// bodies. A /mutate answer can be ~25 times its request (a small pod with many containers
 /// gets a patch per container). `Err` when no budget came in time: answer the refusal instead.
-pub async fn answer_within(
+pub(super) async fn answer_within(
     answer: Vec<u8>,
     mut guard: BudgetGuard,
     budget: &BodyBudget,
@@ -417,7 +414,7 @@ pub async fn answer_within(
 
 /// A response body that gives its budget back once it has been sent (or dropped).
 #[derive(Debug)]
-pub struct GuardedAnswer {
+pub(super) struct GuardedAnswer {
     data: Option<Bytes>,
     _guard: BudgetGuard,
 }
@@ -1087,7 +1084,7 @@ pub async fn serve(
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub(super) enum ServeError {
     #[error("binding {addr}: {source} (is another process listening there?)")]
     Bind {
         addr: SocketAddr,
@@ -1097,7 +1094,7 @@ pub enum ServeError {
 
 /// Binds `addr` and serves `app` within `limits` until `stop` is cancelled (the runtime
 /// cancels it on SIGTERM or SIGINT).
-pub async fn serve_until(
+pub(super) async fn serve_until(
     addr: SocketAddr,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
@@ -1106,7 +1103,12 @@ pub async fn serve_until(
     stop: CancellationToken,
 ) -> Result<(), ServeError> {
     let listener = bind(addr, &limits).map_err(|source| ServeError::Bind { addr, source })?;
-    info!(%addr, "serving admission reviews over HTTPS at /validate");
+    info!(
+        %addr,
+        max_connections = limits.max_connections,
+        worst_case_mib = limits.worst_case_bytes() / MIB,
+        "serving admission reviews over HTTPS at /validate"
+    );
     serve(listener, tls, app, limits, metrics, stop.cancelled_owned()).await;
     Ok(())
 }
@@ -1203,6 +1205,11 @@ mod tests {
             ..Limits::default()
         }
     }
+
+    /// The memory limit of the webhook container in the chart (`webhook.resources.limits.memory`).
+    const CHART_MEMORY_LIMIT_BYTES: usize = 128 * MIB;
+    /// Room left for what the arithmetic does not see (allocator fragmentation, logging, metrics).
+    const HEADROOM_BYTES: usize = 16 * MIB;
 
     #[test]
     fn the_defaults_fit_the_charts_memory_limit_with_room() {

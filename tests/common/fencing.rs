@@ -267,7 +267,7 @@ impl Protected {
 
     /// The HTTP status of a fencing refusal under this guard: the same in both modes.
     pub fn code(&self) -> u16 {
-        fencedlease::fencing::REFUSAL_CODE
+        fencedlease::stamp::REFUSAL_CODE
     }
 
     /// Waits until writes labelled for `lease` are judged (at once with the webhook; in policy

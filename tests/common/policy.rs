@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fencedlease::policy::{policy_hash, POLICY_API};
+use fencedlease::controller::policy::{policy_hash, POLICY_API};
 use kube::Client;
 
 use super::helm::{chart, helm_ok};

@@ -90,7 +90,7 @@ pub fn secret_in(token_dir: &Path) -> String {
 pub fn curl_with_secret(token_dir: &Path, args: &[&str]) -> (u16, String) {
     let auth = format!("Authorization: Bearer {}", secret_in(token_dir));
     // The proxy's CA too, for https:// (the proxy's) URLs.
-    let ca = token_dir.join(fencedlease::proxy_tls::CA_FILE);
+    let ca = token_dir.join(fencedlease::sidecar::proxy_tls::CA_FILE);
     let ca = ca.to_str().expect("utf-8");
     let mut all = vec!["-H", auth.as_str(), "--cacert", ca];
     all.extend_from_slice(args);

@@ -19,7 +19,7 @@ const MAX_OBJECTS: u32 = 500;
 
 /// What the check knows of one object.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Controlled {
+pub(crate) struct Controlled {
     pub kind: String,
     pub name: String,
     /// Its [`LEASE_LABEL`], if protected.
@@ -53,7 +53,7 @@ impl Controlled {
 
 /// An autoscaler and the object it scales (kind, name).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Autoscaler {
+pub(crate) struct Autoscaler {
     pub name: String,
     pub target: (String, String),
 }
@@ -61,7 +61,7 @@ pub struct Autoscaler {
 /// The findings, from what was read: `objects` of every kind read (protected or not),
 /// `autoscalers`, and whether a fencing webhook judges autoscalers' writes (policy mode alone
 /// does not: a policy sees the written object and its lease, never a third object).
-pub fn findings(
+pub(crate) fn findings(
     ns: &str,
     objects: &[Controlled],
     autoscalers: &[Autoscaler],
@@ -105,7 +105,7 @@ pub fn findings(
 }
 
 /// Whether some fencing webhook configuration judges autoscalers' writes.
-pub fn webhook_follows(vwc: &[ValidatingWebhookConfiguration]) -> bool {
+pub(crate) fn webhook_follows(vwc: &[ValidatingWebhookConfiguration]) -> bool {
     vwc.iter()
         .flat_map(|c| c.webhooks.iter().flatten())
         .flat_map(|w| w.rules.iter().flatten())
@@ -164,7 +164,7 @@ async fn read_all(client: &Client, ns: &str) -> Result<(Vec<Controlled>, Vec<Aut
 }
 
 /// Reads the namespace's controllers, controlled objects and autoscalers; the findings.
-pub async fn gather(
+pub(crate) async fn gather(
     client: &Client,
     ns: &str,
     vwc: &[ValidatingWebhookConfiguration],

@@ -17,15 +17,15 @@ use crate::api::{valid_name, INJECT_ANNOTATION, LEASE_ANNOTATION};
 
 /// At most this many (ServiceAccount, lease) pairs are asked about, five reviews each; the
 /// report says how many more there were.
-pub const MAX_PAIRS: usize = 20;
+pub(crate) const MAX_PAIRS: usize = 20;
 /// At most this many workloads are named in a finding.
 const NAMED_WORKLOADS: usize = 3;
 /// The chart's broad ClusterRole for workloads (value `sidecarRole.name`, this by default).
-pub const SIDECAR_CLUSTER_ROLE: &str = "fencedlease-sidecar";
+pub(crate) const SIDECAR_CLUSTER_ROLE: &str = "fencedlease-sidecar";
 
 /// One right on a lease: `verb` on `fencedleases`, or on its subresource when there is one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Need {
+pub(crate) struct Need {
     pub verb: &'static str,
     pub subresource: Option<&'static str>,
 }
@@ -39,7 +39,7 @@ impl Need {
     }
 
     /// "update fencedleases/status".
-    pub fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         match self.subresource {
             Some(sub) => format!("{} fencedleases/{sub}", self.verb),
             None => format!("{} fencedleases", self.verb),
@@ -52,7 +52,7 @@ impl Need {
 /// after a conflict (get), writes its holder (update) and renews (update of the status). It
 /// creates the lease only where it may (the README's Role cannot: create the lease first), and
 /// writes no Events, so neither is asked for.
-pub const SIDECAR_NEEDS: [Need; 5] = [
+pub(crate) const SIDECAR_NEEDS: [Need; 5] = [
     Need::on_lease("get"),
     Need::on_lease("list"),
     Need::on_lease("watch"),
@@ -65,7 +65,7 @@ pub const SIDECAR_NEEDS: [Need; 5] = [
 
 /// A workload whose pods campaign: `kind/name`, their ServiceAccount, and the lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Campaigner {
+pub(crate) struct Campaigner {
     pub workload: String,
     pub service_account: String,
     pub lease: String,
@@ -105,7 +105,7 @@ fn from_template(kind: &str, name: &str, t: Option<&PodTemplateSpec>) -> Option<
 /// The workloads of a namespace that campaign through an injected sidecar: pods, and the pod
 /// templates of Deployments, StatefulSets and DaemonSets (templates first, so that findings
 /// name the workload rather than one of its pods).
-pub fn campaigners(
+pub(crate) fn campaigners(
     pods: &[Pod],
     deployments: &[Deployment],
     statefulsets: &[StatefulSet],
@@ -135,7 +135,7 @@ pub fn campaigners(
 
 /// One ServiceAccount campaigning for one lease, and the workloads that do it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Pair {
+pub(crate) struct Pair {
     pub service_account: String,
     pub lease: String,
     pub workloads: Vec<String>,
@@ -143,7 +143,7 @@ pub struct Pair {
 
 /// The distinct (ServiceAccount, lease) pairs, sorted; at most `max`, and how many more there
 /// were.
-pub fn pairs(campaigners: Vec<Campaigner>, max: usize) -> (Vec<Pair>, usize) {
+pub(crate) fn pairs(campaigners: Vec<Campaigner>, max: usize) -> (Vec<Pair>, usize) {
     let mut by_pair: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for c in campaigners {
         let workloads = by_pair.entry((c.service_account, c.lease)).or_default();
@@ -162,7 +162,7 @@ pub fn pairs(campaigners: Vec<Campaigner>, max: usize) -> (Vec<Pair>, usize) {
 
 /// The review asking whether ServiceAccount `ns/sa` (with the groups the API server gives every
 /// ServiceAccount) may do `need` to FencedLease `ns/lease`.
-pub fn access_review(ns: &str, sa: &str, lease: &str, need: Need) -> SubjectAccessReview {
+pub(crate) fn access_review(ns: &str, sa: &str, lease: &str, need: Need) -> SubjectAccessReview {
     let mut review = SubjectAccessReview::default();
     review.spec.user = Some(format!("system:serviceaccount:{ns}:{sa}"));
     review.spec.groups = Some(vec![
@@ -184,17 +184,21 @@ pub fn access_review(ns: &str, sa: &str, lease: &str, need: Need) -> SubjectAcce
 }
 
 /// The API server's answers for one pair: each need and whether it is allowed.
-pub type Answers = Result<Vec<(Need, bool)>, kube::Error>;
+pub(crate) type Answers = Result<Vec<(Need, bool)>, kube::Error>;
 
 /// Whether the answer is the API server refusing the reviews themselves to this user.
-pub fn review_forbidden(answers: &Answers) -> bool {
+pub(crate) fn review_forbidden(answers: &Answers) -> bool {
     matches!(answers, Err(kube::Error::Api(s)) if s.code == 403)
 }
 
 /// The verdicts on a namespace's campaigning ServiceAccounts. `answered` holds the pairs asked
 /// about (in order; asking stops at the first refused review), `skipped` how many pairs were
 /// not asked about.
-pub fn rbac_findings(ns: &str, answered: &[(Pair, Answers)], skipped: usize) -> Vec<Finding> {
+pub(crate) fn rbac_findings(
+    ns: &str,
+    answered: &[(Pair, Answers)],
+    skipped: usize,
+) -> Vec<Finding> {
     if answered.is_empty() {
         return vec![Finding::ok(format!(
             "no pod, Deployment, StatefulSet or DaemonSet in namespace {ns} is annotated {LEASE_ANNOTATION}: no sidecar's rights to check there (pass -n NAMESPACE of a workload's namespace)"
@@ -270,7 +274,7 @@ fn pair_finding(ns: &str, pair: &Pair, answers: &Answers) -> Finding {
 }
 
 /// The README's recipe for one lease, or the chart's broad ClusterRole.
-pub fn grant(ns: &str, sa: &str, lease: &str) -> String {
+pub(crate) fn grant(ns: &str, sa: &str, lease: &str) -> String {
     format!(
         "let it campaign for this lease only: kubectl -n {ns} create role {lease}-lease --verb=get,list,watch,update \
          --resource=fencedleases.fencedlease.io,fencedleases.fencedlease.io/status --resource-name={lease} && \
@@ -303,7 +307,7 @@ fn reason(e: &kube::Error) -> String {
 }
 
 /// A finding for a workload list this user may not read.
-pub fn unreadable(ns: &str, what: &str, e: &kube::Error) -> Finding {
+pub(crate) fn unreadable(ns: &str, what: &str, e: &kube::Error) -> Finding {
     Finding::fail(
         format!("could not list {what} in namespace {ns} to find the ServiceAccounts that campaign: {}", reason(e)),
         format!("check needs list on pods, deployments, statefulsets and daemonsets there (`kubectl -n {ns} auth can-i list {what}`); or pass -n NAMESPACE"),
@@ -354,7 +358,7 @@ async fn ask(client: &Client, ns: &str, pair: &Pair) -> Answers {
 }
 
 /// Finds the pairs of `ns`, asks about each (at most [`MAX_PAIRS`]) and returns the findings.
-pub async fn gather(client: &Client, ns: &str) -> Vec<Finding> {
+pub(crate) async fn gather(client: &Client, ns: &str) -> Vec<Finding> {
     let found = match list_campaigners(client, ns).await {
         Ok(found) => found,
         Err((what, e)) => return vec![unreadable(ns, what, &e)],

@@ -1,5 +1,5 @@
 //! Which pods belong to which FencedLease, which of them carry the leader label, and what
-//! Kubernetes says of their lives (for [`crate::holder`]).
+//! Kubernetes says of their lives (for [`crate::controller::holder`]).
 //!
 //! The controller moves `fencedlease.io/role: leader` to the pod that holds a lease. Asking the
 //! API server which pods are labelled on every change of holder costs a LIST per lease, which
@@ -23,15 +23,15 @@ use kube::runtime::watcher::Event;
 
 use crate::api::SIDECAR_CONTAINER as CONTAINER;
 use crate::api::{CAMPAIGN_CONTAINER_ANNOTATION, LEASE_ANNOTATION, ROLE_LABEL};
-use crate::holder::{Campaigner, Finished, HolderPod, PodState};
+use crate::controller::holder::{Campaigner, Finished, HolderPod, PodState};
 
 /// The value of [`ROLE_LABEL`] on the holder's pod.
-pub const LEADER_ROLE: &str = "leader";
+pub(crate) const LEADER_ROLE: &str = "leader";
 /// How many deleted pods the index remembers as gone.
-pub const MAX_TOMBSTONES: usize = 4096;
+pub(crate) const MAX_TOMBSTONES: usize = 4096;
 
 /// (namespace, name)
-pub type Key = (String, String);
+pub(crate) type Key = (String, String);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct PodInfo {
@@ -45,7 +45,7 @@ struct PodInfo {
 
 /// What to change so that exactly the holder's pod carries the leader label.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LabelPlan {
+pub(crate) struct LabelPlan {
     /// Pods of the lease that carry the label but do not hold the lease: unlabel these first.
     pub unlabel: Vec<String>,
     /// The holder's pod, when it belongs to the lease and is not labelled yet.
@@ -53,7 +53,7 @@ pub struct LabelPlan {
 }
 
 impl LabelPlan {
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.unlabel.is_empty() && self.label.is_none()
     }
 }
@@ -88,7 +88,7 @@ impl Tombstones {
 
 /// The index. Pods without the lease annotation are not kept.
 #[derive(Debug, Default)]
-pub struct PodIndex {
+pub(crate) struct PodIndex {
     pods: HashMap<Key, PodInfo>,
     /// (namespace, lease) -> names of its pods.
     by_lease: HashMap<Key, BTreeSet<String>>,
@@ -101,7 +101,7 @@ pub struct PodIndex {
 }
 
 /// The lease a pod campaigns for (its `fencedlease.io/lease` annotation).
-pub fn lease_of(pod: &Pod) -> Option<&str> {
+pub(crate) fn lease_of(pod: &Pod) -> Option<&str> {
     pod.metadata
         .annotations
         .as_ref()?
@@ -157,8 +157,8 @@ fn campaigner(pod: &Pod) -> Campaigner {
     }
 }
 
-/// What Kubernetes says of a pod's life, as [`crate::holder`] reads it.
-pub fn pod_state(pod: &Pod) -> PodState {
+/// What Kubernetes says of a pod's life, as [`crate::controller::holder`] reads it.
+pub(crate) fn pod_state(pod: &Pod) -> PodState {
     let finished = match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
         Some("Failed") => Some(Finished::Failed),
         Some("Succeeded") => Some(Finished::Succeeded),
@@ -190,7 +190,7 @@ fn info_of(pod: &Pod) -> Option<(Key, Option<PodInfo>)> {
 /// Drops what the index never reads, so that a watch of every pod in a large cluster stays
 /// small in memory: the lease and campaign-container annotations, the role label, the
 /// deletionTimestamp, the phase and the campaigning container's status are kept.
-pub fn slim(pod: &mut Pod) {
+pub(crate) fn slim(pod: &mut Pod) {
     let keep = campaigning_container(pod).to_string();
     pod.spec = None;
     let m = &mut pod.metadata;
@@ -220,22 +220,15 @@ pub fn slim(pod: &mut Pod) {
 }
 
 impl PodIndex {
-    pub fn is_ready(&self) -> bool {
-        self.ready
-    }
-
     /// Number of pods that belong to some lease.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.pods.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.pods.is_empty()
     }
 
     /// Applies a watch event. Returns the leases, as (namespace, lease name), whose pods
     /// changed in a way that may call for a label move: the controller looks at them again.
-    pub fn apply(&mut self, event: &Event<Pod>) -> Vec<Key> {
+    pub(crate) fn apply(&mut self, event: &Event<Pod>) -> Vec<Key> {
         match event {
             Event::Init => {
                 self.listing = Some(HashMap::new());
@@ -371,7 +364,7 @@ impl PodIndex {
     }
 
     /// What the index knows of the pod named `holder` as a pod of `lease` in `namespace`.
-    pub fn holder_pod(&self, namespace: &str, lease: &str, holder: &str) -> HolderPod {
+    pub(crate) fn holder_pod(&self, namespace: &str, lease: &str, holder: &str) -> HolderPod {
         if !self.ready {
             return HolderPod::Unknown;
         }
@@ -386,7 +379,12 @@ impl PodIndex {
 
     /// What to change so that only the holder's pod (if it is a pod of this lease) carries the
     /// leader label. `None` until the index has seen a complete list of pods.
-    pub fn plan(&self, namespace: &str, lease: &str, holder: Option<&str>) -> Option<LabelPlan> {
+    pub(crate) fn plan(
+        &self,
+        namespace: &str,
+        lease: &str,
+        holder: Option<&str>,
+    ) -> Option<LabelPlan> {
         if !self.ready {
             return None;
         }
@@ -576,7 +574,7 @@ mod tests {
             idx.apply(&Event::Delete(pod("ns", "b", Some("db"), false))),
             vec![key("ns", "db")]
         );
-        assert!(idx.is_empty());
+        assert_eq!(idx.len(), 0);
         // Deleting what was never indexed is nothing.
         assert_eq!(
             idx.apply(&Event::Delete(pod("ns", "zz", None, false))),

@@ -1,66 +1,11 @@
 //! The fencing rule as a pure function: may a write that presents a token land on a protected
 //! object? No I/O here: the webhook supplies the lease (from its cache or a fresh read).
 
-use std::fmt;
-
 use crate::api::{
     DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
     WRITE_ID_ANNOTATION,
 };
-
-/// The HTTP status and reason of every fencing refusal, from the webhook, the policy and the
-/// sidecar's API proxy alike: 403 Forbidden. Not 409 Conflict: Kubernetes clients read a
-/// conflict as "re-read the object and try again" (`kubectl scale` retries one for minutes,
-/// client-go's `RetryOnConflict` and kube-rs programs likewise), and a replaced leader must be
-/// told once to stop, not invited to retry with the same stale token.
-pub const REFUSAL_CODE: u16 = 403;
-/// See [`REFUSAL_CODE`].
-pub const REFUSAL_REASON: &str = "Forbidden";
-
-/// Why a token string is not a token.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TokenError {
-    Empty,
-    NotANumber,
-    Padded,
-    Negative,
-    TooLarge,
-    Zero,
-}
-
-impl fmt::Display for TokenError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TokenError::Empty => "it is empty",
-            TokenError::NotANumber => "it is not a decimal number",
-            TokenError::Padded => "it has a sign, spaces or leading zeros",
-            TokenError::Negative => "it is negative",
-            TokenError::TooLarge => "it is larger than a 64-bit generation can be",
-            TokenError::Zero => "tokens start at 1",
-        })
-    }
-}
-
-/// Parses a token strictly: a canonical positive decimal that fits an int64, nothing else.
-pub fn parse_token(s: &str) -> Result<i64, TokenError> {
-    if s.is_empty() {
-        return Err(TokenError::Empty);
-    }
-    if s.starts_with('-') && s.len() > 1 && s[1..].bytes().all(|b| b.is_ascii_digit()) {
-        return Err(TokenError::Negative);
-    }
-    if s.trim() != s || s.starts_with('+') || (s.len() > 1 && s.starts_with('0')) {
-        return Err(TokenError::Padded);
-    }
-    if !s.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(TokenError::NotANumber);
-    }
-    let n: i64 = s.parse().map_err(|_| TokenError::TooLarge)?;
-    if n == 0 {
-        return Err(TokenError::Zero);
-    }
-    Ok(n)
-}
+use crate::stamp::{parse_token, TokenError};
 
 /// What the webhook knows of the lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,7 +26,7 @@ pub enum Mode {
 impl Mode {
     /// From the mode annotation of the object's Namespace (never of the object: its writers
     /// must not choose how they are judged); anything but `warn` enforces (fail closed).
-    pub fn from_annotation(v: Option<&str>) -> Mode {
+    pub(super) fn from_annotation(v: Option<&str>) -> Mode {
         match v {
             Some("warn") => Mode::Warn,
             _ => Mode::Enforce,
@@ -152,7 +97,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// A bounded label for metrics.
-    pub fn metric_label(&self) -> &'static str {
+    pub(super) fn metric_label(&self) -> &'static str {
         match self {
             Refusal::MissingToken | Refusal::MissingLeaseUid => "denied_missing",
             Refusal::MalformedToken(_) => "denied_malformed",
@@ -169,7 +114,7 @@ impl Refusal {
     /// again on a fresh read. The others hold whatever the lease is now: a token below a
     /// generation the lease has reached stays below it (generations never go down within one
     /// lease uid), and what the write itself lacks no read can supply.
-    pub fn may_be_cache_lag(&self) -> bool {
+    pub(super) fn may_be_cache_lag(&self) -> bool {
         matches!(
             self,
             Refusal::NoLease
@@ -181,7 +126,7 @@ impl Refusal {
 
     /// The message a person reads in kubectl's error: the lease, what was presented, what is
     /// current, and what to do.
-    pub fn message(&self, w: &WriteAttempt<'_>) -> String {
+    pub(super) fn message(&self, w: &WriteAttempt<'_>) -> String {
         let lease = format!("FencedLease {}/{}", w.namespace, w.lease_name);
         let presented = w.stamp.token.unwrap_or("none");
         match self {
@@ -370,12 +315,6 @@ fn unsafe_identity(kind: &str, name: &str) -> Option<&'static str> {
     }
 }
 
-impl ExemptionError {
-    pub fn metric_label(&self) -> &'static str {
-        "bad_exemption"
-    }
-}
-
 impl Exemptions {
     /// Checks that no workload's identity can qualify: exact names, no group that holds
     /// ServiceAccounts or all users, no ServiceAccount outside kube-system, no anonymous or
@@ -414,7 +353,7 @@ impl Exemptions {
     }
 
     /// Is this writer exempt?
-    pub fn covers(&self, username: &str, groups: &[String]) -> bool {
+    pub(crate) fn covers(&self, username: &str, groups: &[String]) -> bool {
         self.users.iter().any(|u| u == username) || groups.iter().any(|g| self.groups.contains(g))
     }
 }

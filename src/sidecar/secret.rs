@@ -23,14 +23,14 @@ const SECRET_BYTES: usize = 32;
 
 /// The secret, and where the pod's containers read it.
 #[derive(Debug)]
-pub struct ApiSecret {
+pub(super) struct ApiSecret {
     value: String,
     path: PathBuf,
 }
 
 /// Why the secret could not be had; the sidecar does not start without it.
 #[derive(Debug, thiserror::Error)]
-pub enum SecretError {
+pub(super) enum SecretError {
     #[error(
         "reading the API secret {path} failed: {source}. Make the token dir readable by the \
          sidecar, or remove the file (a new secret is then written)"
@@ -52,21 +52,11 @@ pub enum SecretError {
     Random(std::io::Error),
 }
 
-impl SecretError {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            SecretError::Read { .. } => "read",
-            SecretError::Write { .. } => "write",
-            SecretError::Random(_) => "random",
-        }
-    }
-}
-
 impl ApiSecret {
     /// The secret in `dir`, kept from an earlier run of the sidecar in this pod (the app may
     /// have read it already), or a new one written there when there is none or it is not one
     /// of ours.
-    pub fn load_or_create(dir: &Path) -> Result<Self, SecretError> {
+    pub(super) fn load_or_create(dir: &Path) -> Result<Self, SecretError> {
         let path = dir.join(API_SECRET_FILE);
         match std::fs::read_to_string(&path) {
             Ok(text) if is_secret(text.trim_end()) => {
@@ -93,12 +83,12 @@ impl ApiSecret {
     }
 
     /// Whether `headers` carry this secret as a bearer token (compared in constant time).
-    pub fn admits(&self, headers: &HeaderMap) -> bool {
+    pub(super) fn admits(&self, headers: &HeaderMap) -> bool {
         bearer(headers).is_some_and(|given| same(given.as_bytes(), self.value.as_bytes()))
     }
 
     /// What to tell a request that did not send the secret.
-    pub fn refusal_message(&self) -> String {
+    pub(super) fn refusal_message(&self) -> String {
         format!(
             "fencedlease sidecar: this endpoint answers only requests of the pod's own \
              containers: send the header `Authorization: Bearer SECRET`, SECRET being the \
@@ -110,7 +100,11 @@ impl ApiSecret {
 }
 
 /// Middleware: the request goes on only with the secret; else 401 with what to send.
-pub async fn require(State(secret): State<Arc<ApiSecret>>, req: Request, next: Next) -> Response {
+pub(super) async fn require(
+    State(secret): State<Arc<ApiSecret>>,
+    req: Request,
+    next: Next,
+) -> Response {
     if secret.admits(req.headers()) {
         return next.run(req).await;
     }
@@ -216,7 +210,7 @@ mod tests {
         // A directory in the file's place: reading it fails, even for root.
         std::fs::create_dir_all(dir.join(API_SECRET_FILE)).expect("dir");
         let err = ApiSecret::load_or_create(&dir).expect_err("must not start");
-        assert_eq!(err.metric_label(), "read");
+        assert!(matches!(err, SecretError::Read { .. }), "{err:?}");
         assert!(err.to_string().contains("remove the file"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }

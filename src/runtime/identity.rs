@@ -3,7 +3,7 @@
 
 /// `HOSTNAME-PID`: the host name (in a pod, the pod's name) and the process id, so that two
 /// processes of one pod, or a restarted container, never share an identity.
-pub fn default_identity() -> String {
+pub(crate) fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());

@@ -8,7 +8,7 @@ use kube::{Api, Client};
 /// An owner reference to the Service `name` in `namespace`, if it exists: the webhook Service
 /// owns what the operator creates at run time (the certificate Secret, the election lease), so
 /// that uninstalling removes those too.
-pub async fn service_owner(
+pub(super) async fn service_owner(
     client: &Client,
     namespace: &str,
     name: &str,

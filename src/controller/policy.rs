@@ -22,7 +22,7 @@ use crate::api::{FencedLease, LEASE_LABEL, POLICY_LABEL};
 /// Label on the bindings the controller keeps; its value is [`policy_hash`] of the policy the
 /// binding names, so that a controller lists only its own policy's bindings.
 /// The label the API server puts on every Namespace, its name (Kubernetes 1.21 and later).
-pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+pub(super) const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 /// The API the mode needs (GA in Kubernetes 1.30).
 pub const POLICY_API: &str = "admissionregistration.k8s.io/v1";
 
@@ -42,13 +42,13 @@ pub fn policy_hash(policy: &str) -> String {
 /// One name per (namespace, lease) of a policy: a namespace name has no dots and the suffix has
 /// a fixed length, so the parts can be read back unambiguously. At most 63 + 1 + 63 + 21 = 148
 /// characters (bindings are made only for lease names that fit a label value).
-pub fn binding_name(policy: &str, ns: &str, lease: &str) -> String {
+pub(super) fn binding_name(policy: &str, ns: &str, lease: &str) -> String {
     format!("{ns}.{lease}.fencedlease-{}", policy_hash(policy))
 }
 
 /// Whether `v` can be a label value: a protected object names its lease in a label, so a lease
 /// whose name cannot be one protects nothing, and gets no binding.
-pub fn is_label_value(v: &str) -> bool {
+pub(super) fn is_label_value(v: &str) -> bool {
     let b = v.as_bytes();
     let alnum = |c: &u8| c.is_ascii_alphanumeric();
     b.len() <= 63
@@ -61,7 +61,7 @@ pub fn is_label_value(v: &str) -> bool {
 
 /// The policy name must be a DNS label (what the chart renders): at most 63 lowercase letters,
 /// digits and '-', starting and ending with a letter or digit.
-pub fn check_policy_name(name: &str) -> Result<(), String> {
+pub(super) fn check_policy_name(name: &str) -> Result<(), String> {
     let b = name.as_bytes();
     let ok = !b.is_empty()
         && b.len() <= 63
@@ -81,7 +81,7 @@ pub fn check_policy_name(name: &str) -> Result<(), String> {
 /// The binding that makes `policy` judge the writes to objects labelled `fencedlease.io/lease:
 /// <lease>` in namespace `ns`, with that FencedLease as the parameter. Refuses (Deny) when the
 /// lease cannot be found. None for a lease name that cannot be a label value.
-pub fn binding_for(
+pub(super) fn binding_for(
     policy: &str,
     ns: &str,
     lease: &str,
@@ -122,7 +122,7 @@ fn param_of(b: &ValidatingAdmissionPolicyBinding) -> Option<(String, String)> {
 
 /// What a sweep must do: the bindings to delete (their lease is gone, or they are not the one
 /// binding_for would make for it) and the leases whose binding to (re)apply. Pure.
-pub fn plan_sweep(
+pub(super) fn plan_sweep(
     policy: &str,
     leases: &[(String, String)],
     existing: &[ValidatingAdmissionPolicyBinding],
@@ -163,7 +163,7 @@ pub fn plan_sweep(
 /// Refuses to run policy mode where it cannot work: the server must serve
 /// admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy (Kubernetes 1.30 and later), and
 /// the policy must exist (a binding of a missing policy checks nothing).
-pub async fn require_policy(client: &Client, policy: &str) -> anyhow::Result<()> {
+pub(super) async fn require_policy(client: &Client, policy: &str) -> anyhow::Result<()> {
     check_policy_name(policy).map_err(anyhow::Error::msg)?;
     let version = client
         .apiserver_version()
@@ -196,7 +196,7 @@ pub async fn require_policy(client: &Client, policy: &str) -> anyhow::Result<()>
 }
 
 /// The bindings of one policy, kept by the active controller.
-pub struct Bindings {
+pub(crate) struct Bindings {
     api: Api<ValidatingAdmissionPolicyBinding>,
     policy: String,
     /// Only leases of this namespace (the controller's --namespace), if set.
@@ -206,7 +206,7 @@ pub struct Bindings {
 }
 
 impl Bindings {
-    pub fn new(client: Client, policy: String, namespace: Option<String>) -> Bindings {
+    pub(crate) fn new(client: Client, policy: String, namespace: Option<String>) -> Bindings {
         Bindings {
             api: Api::all(client),
             policy,
@@ -221,7 +221,7 @@ impl Bindings {
 
     /// Makes sure the binding of lease `ns/name` exists (once per controller term, and again
     /// after each sweep that found it missing or changed).
-    pub async fn ensure(&self, ns: &str, name: &str) -> Result<(), kube::Error> {
+    pub(crate) async fn ensure(&self, ns: &str, name: &str) -> Result<(), kube::Error> {
         let Some(b) = binding_for(&self.policy, ns, name) else {
             return Ok(());
         };
@@ -241,7 +241,7 @@ impl Bindings {
     /// changed ones. Lists the bindings first, then the leases (names only, from the API server,
     /// not a cache): a lease created in between has no binding in the first list, so no
     /// binding of a live lease is ever deleted.
-    pub async fn sweep(&self) -> Result<(), kube::Error> {
+    pub(crate) async fn sweep(&self) -> Result<(), kube::Error> {
         let lp =
             ListParams::default().labels(&format!("{POLICY_LABEL}={}", policy_hash(&self.policy)));
         let existing: Vec<_> = self

@@ -2,6 +2,11 @@
 //! token over a loopback HTTP API and a file, so that apps in any language get fenced leader
 //! election.
 
+mod memtrim;
+mod proxy;
+pub mod proxy_tls;
+mod secret;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -27,13 +32,13 @@ use tracing::{debug, info, warn};
 use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
-use crate::secret::ApiSecret;
+use crate::sidecar::secret::ApiSecret;
 
 /// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
-pub use crate::api::SIDECAR_PORT as DEFAULT_PORT;
+pub(crate) use crate::api::SIDECAR_PORT as DEFAULT_PORT;
 /// The default folder of the token files (`--token-dir`); the injector mounts the token
 /// volume there.
-pub use crate::api::TOKEN_DIR;
+pub(crate) use crate::api::TOKEN_DIR;
 
 #[derive(Debug, clap::Args)]
 pub struct SidecarArgs {
@@ -104,7 +109,7 @@ pub struct SidecarArgs {
 /// The JSON of `/v1/status` and of each `/v1/watch` event.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
-pub struct Status {
+pub(crate) struct Status {
     pub lease: String,
     pub namespace: String,
     pub identity: String,
@@ -133,7 +138,7 @@ struct Shared {
     /// Everything but the token, for the probe endpoint's /metrics (reachable on the pod IP).
     public_registry: Arc<Registry>,
     /// The tenure the app last acknowledged (the proxy's gate after a loss).
-    acknowledged: crate::proxy::Acknowledged,
+    acknowledged: crate::sidecar::proxy::Acknowledged,
 }
 
 impl Shared {
@@ -216,7 +221,7 @@ async fn acknowledge(
         )
             .into_response();
     };
-    let now = crate::proxy::leading_now(&s.handle.state.borrow());
+    let now = crate::sidecar::proxy::leading_now(&s.handle.state.borrow());
     match now {
         Some((t, tenure))
             if t.generation == ack.token
@@ -249,9 +254,9 @@ async fn release(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 /// Ready once the lease's state is known or, with --ready-only-when-leader, while leading.
-fn readiness(s: &Arc<Shared>) -> crate::admin::Readiness {
+fn readiness(s: &Arc<Shared>) -> crate::runtime::admin::Readiness {
     let s = s.clone();
-    crate::admin::Readiness::from_fn(move || {
+    crate::runtime::admin::Readiness::from_fn(move || {
         let st = s.current();
         let known = !matches!(*s.handle.state.borrow(), LeaderState::Unknown);
         if (s.ready_only_when_leader && st.leading) || (!s.ready_only_when_leader && known) {
@@ -270,7 +275,7 @@ struct SidecarGauges {
     leading: Gauge<i64>,
     token: Gauge<i64>,
     health_failures: Counter,
-    renewals: crate::admin::RenewalGauge,
+    renewals: crate::runtime::admin::RenewalGauge,
 }
 
 /// The loopback registry, the probe endpoint's registry and the metrics in them. Every series
@@ -288,7 +293,7 @@ fn sidecar_metrics(lease: &str) -> (Registry, Registry, SidecarGauges) {
         leading: Gauge::default(),
         token: Gauge::default(),
         health_failures: Counter::default(),
-        renewals: crate::admin::RenewalGauge::default(),
+        renewals: crate::runtime::admin::RenewalGauge::default(),
     };
     for r in [&mut all, &mut public] {
         r.register(
@@ -407,8 +412,8 @@ fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
 /// A file the sidecar leaves in its token directory once it has led, and never removes: the
 /// directory outlives a restart of the sidecar's container (an emptyDir), so a restarted
 /// sidecar knows that the app may hold writes decided under an earlier run's tenure, and its
-/// API proxy does not take its own first tenure for the app's first ([`crate::proxy`]).
-pub const LED_MARKER: &str = "led-before";
+/// API proxy does not take its own first tenure for the app's first ([`crate::sidecar::proxy`]).
+pub(crate) const LED_MARKER: &str = "led-before";
 
 fn write_token_files(dir: &Path, token: i64, uid: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -442,7 +447,7 @@ fn remove_if_present(path: &Path) -> std::io::Result<()> {
      take it for leadership, so the sidecar does not start: make the token dir writable by the \
      sidecar (or remove the file), then restart it"
 )]
-pub struct StaleTokenFile {
+pub(crate) struct StaleTokenFile {
     path: PathBuf,
     source: std::io::Error,
 }
@@ -451,7 +456,7 @@ pub struct StaleTokenFile {
 /// crash, an OOM kill or a liveness restart they are still in the token dir, an emptyDir the
 /// app shares, and would tell the app it leads. Runs first at start-up, before anything else
 /// can fail.
-pub fn clear_stale_token_files(dir: &Path) -> Result<(), StaleTokenFile> {
+pub(crate) fn clear_stale_token_files(dir: &Path) -> Result<(), StaleTokenFile> {
     for f in TOKEN_FILES {
         let file = dir.join(f);
         for path in [file.with_extension(TMP_EXTENSION), file] {
@@ -519,7 +524,8 @@ async fn bind_probe_listener(addr: SocketAddr) -> anyhow::Result<tokio::net::Tcp
 /// /healthz (the alias of /livez that injected pods probe), /livez and /readyz: served on the
 /// loopback API and, with the public /metrics, on the probe endpoint.
 fn probe_routes<S: Clone + Send + Sync + 'static>(shared: &Arc<Shared>) -> Router<S> {
-    crate::admin::health_routes(readiness(shared)).merge(crate::admin::healthz_alias())
+    crate::runtime::admin::health_routes(readiness(shared))
+        .merge(crate::runtime::admin::healthz_alias())
 }
 
 /// An IPv6 listening socket that also accepts IPv4 (IPV6_V6ONLY off), non-blocking for tokio.
@@ -534,7 +540,7 @@ fn dual_stack_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListene
     Ok(socket.into())
 }
 
-pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     // First of all: until this sidecar leads, no token file may say that it does.
     clear_stale_token_files(&args.token_dir)?;
     let led_before = args.token_dir.join(LED_MARKER).exists();
@@ -543,7 +549,7 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
         .identity
         .clone()
-        .unwrap_or_else(crate::identity::default_identity);
+        .unwrap_or_else(crate::runtime::identity::default_identity);
     let rt = crate::runtime::Runtime::start().await?;
     let (elector, handle) =
         rt.candidate(&args.namespace, &args.lease, &identity, args.lease_duration)?;
@@ -566,13 +572,13 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitCode> {
 /// it has read its configuration, connected and campaigned at least once.
 const STARTUP_TRIM_AFTER: Duration = Duration::from_secs(10);
 
-/// Gives back start-up's pages (crate::memtrim) once, `STARTUP_TRIM_AFTER` after start.
+/// Gives back start-up's pages (crate::sidecar::memtrim) once, `STARTUP_TRIM_AFTER` after start.
 async fn trim_after_startup(stop: CancellationToken) {
     tokio::select! {
         _ = stop.cancelled() => return,
         _ = tokio::time::sleep(STARTUP_TRIM_AFTER) => {}
     }
-    match tokio::task::spawn_blocking(crate::memtrim::trim_startup_pages).await {
+    match tokio::task::spawn_blocking(crate::sidecar::memtrim::trim_startup_pages).await {
         Ok(Ok(t)) => info!(
             regions = t.regions,
             kib = t.kib,
@@ -623,7 +629,7 @@ fn shared_state(
         app_healthy: AtomicBool::new(true),
         registry: Arc::new(registry),
         public_registry: Arc::new(public_registry),
-        acknowledged: crate::proxy::Acknowledged::default(),
+        acknowledged: crate::sidecar::proxy::Acknowledged::default(),
     });
     (shared, gauges)
 }
@@ -729,11 +735,12 @@ impl Servers {
         // object, and whoever may read the FencedLease reads its generation), but nothing there
         // needs it.
         let probes = args.probe_listen.map(|addr| {
-            let router = probe_routes(&shared)
-                .merge(crate::admin::metrics_route(shared.public_registry.clone()));
+            let router = probe_routes(&shared).merge(crate::runtime::admin::metrics_route(
+                shared.public_registry.clone(),
+            ));
             (addr, router)
         });
-        let cfg = crate::proxy::ProxyConfig {
+        let cfg = crate::sidecar::proxy::ProxyConfig {
             state: shared.handle.state.clone(),
             lease: args.lease.clone(),
             namespace: args.namespace.clone(),
@@ -766,7 +773,7 @@ impl Servers {
 }
 
 /// The loopback API: the token, the status, their changes, the release and the metrics, for
-/// requests with the pod's secret ([`crate::secret`]); the probes for anyone.
+/// requests with the pod's secret ([`crate::sidecar::secret`]); the probes for anyone.
 async fn serve_api(
     args: &SidecarArgs,
     shared: Arc<Shared>,
@@ -779,10 +786,12 @@ async fn serve_api(
         .route("/v1/watch", get(watch_sse))
         .route("/v1/release", post(release))
         .route("/v1/acknowledge", post(acknowledge))
-        .merge(crate::admin::metrics_route(shared.registry.clone()))
+        .merge(crate::runtime::admin::metrics_route(
+            shared.registry.clone(),
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             secret,
-            crate::secret::require,
+            crate::sidecar::secret::require,
         ))
         .merge(probe_routes(&shared))
         .with_state(shared);
@@ -797,29 +806,31 @@ async fn serve_api(
     }))
 }
 
-/// The Kubernetes API proxy on `addr` (see [`crate::proxy`]), over TLS with the certificate
+/// The Kubernetes API proxy on `addr` (see [`crate::sidecar::proxy`]), over TLS with the certificate
 /// kept in the token dir, and the kubeconfig that points the app at it
-/// ([`crate::proxy_tls`]).
+/// ([`crate::sidecar::proxy_tls`]).
 async fn serve_proxy(
     addr: SocketAddr,
     args: &SidecarArgs,
     client: kube::Client,
-    cfg: crate::proxy::ProxyConfig,
+    cfg: crate::sidecar::proxy::ProxyConfig,
     stop: CancellationToken,
 ) -> anyhow::Result<ServerTask> {
-    let tls = crate::proxy_tls::load_or_create(&args.token_dir)?;
-    let router = crate::proxy::router(client, cfg);
+    let tls = crate::sidecar::proxy_tls::load_or_create(&args.token_dir)?;
+    let router = crate::sidecar::proxy::router(client, cfg);
     let l = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the proxy on {addr}"))?;
     let addr = l.local_addr().unwrap_or(addr);
-    crate::proxy_tls::write_kubeconfig(&args.token_dir, addr, &args.namespace)?;
+    crate::sidecar::proxy_tls::write_kubeconfig(&args.token_dir, addr, &args.namespace)?;
     info!(%addr, kubeconfig = %args.token_dir.join(crate::api::PROXY_KUBECONFIG_FILE).display(),
           "Kubernetes API proxy listening (TLS)");
-    Ok(tokio::spawn(crate::proxy_tls::serve(l, router, tls, stop)))
+    Ok(tokio::spawn(crate::sidecar::proxy_tls::serve(
+        l, router, tls, stop,
+    )))
 }
 
-/// The probe endpoint on `addr`, within the default [`crate::admin::Limits`].
+/// The probe endpoint on `addr`, within the default [`crate::runtime::admin::Limits`].
 async fn serve_probe_endpoint(
     addr: SocketAddr,
     router: Router,
@@ -828,9 +839,9 @@ async fn serve_probe_endpoint(
     let l = bind_probe_listener(addr).await?;
     let addr = l.local_addr().unwrap_or(addr);
     info!(%addr, "probe endpoint (/healthz, /readyz, /metrics without the token) listening");
-    let limits = crate::admin::Limits::default();
+    let limits = crate::runtime::admin::Limits::default();
     Ok(tokio::spawn(async move {
-        crate::admin::serve(l, router, limits, stop.cancelled_owned()).await;
+        crate::runtime::admin::serve(l, router, limits, stop.cancelled_owned()).await;
         Ok(())
     }))
 }
@@ -838,16 +849,16 @@ async fn serve_probe_endpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admin::testing::closed_within;
+    use crate::runtime::admin::testing::closed_within;
 
     /// A probe endpoint with `limits` on a free loopback port; returns its address.
-    async fn probe_endpoint(limits: crate::admin::Limits) -> SocketAddr {
+    async fn probe_endpoint(limits: crate::runtime::admin::Limits) -> SocketAddr {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = l.local_addr().expect("address");
         let router = Router::new().route("/healthz", get(|| async { "ok" }));
-        tokio::spawn(crate::admin::serve(
+        tokio::spawn(crate::runtime::admin::serve(
             l,
             router,
             limits,
@@ -858,14 +869,14 @@ mod tests {
 
     #[tokio::test]
     async fn the_probe_endpoint_answers_and_closes_idle_and_surplus_connections() {
-        let limits = crate::admin::Limits {
+        let limits = crate::runtime::admin::Limits {
             max_connections: 1,
             header_timeout: Duration::from_millis(300),
             request_timeout: Duration::from_secs(5),
         };
         let addr = probe_endpoint(limits).await;
         // A probe: one request, an answer, the connection closed.
-        let answer = crate::admin::testing::get(addr, "/healthz").await;
+        let answer = crate::runtime::admin::testing::get(addr, "/healthz").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.ends_with("ok"), "{answer}");
         // A peer that connects and says nothing holds the only slot until the header timeout;
@@ -882,7 +893,7 @@ mod tests {
             "the idle connection was not closed by the header timeout"
         );
         // The slot is free again.
-        let answer = crate::admin::testing::get(addr, "/healthz").await;
+        let answer = crate::runtime::admin::testing::get(addr, "/healthz").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 

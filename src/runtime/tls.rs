@@ -38,7 +38,7 @@ pub enum TlsError {
 
 /// Where the serving certificate and key live.
 #[derive(Clone, Debug)]
-pub struct CertFiles {
+pub(crate) struct CertFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
 }
@@ -51,7 +51,7 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// Loads a certificate chain and key into a rustls CertifiedKey.
-pub fn load(files: &CertFiles) -> Result<(CertifiedKey, Vec<u8>), TlsError> {
+pub(crate) fn load(files: &CertFiles) -> Result<(CertifiedKey, Vec<u8>), TlsError> {
     let cert_pem = read(&files.cert)?;
     let key_pem = read(&files.key)?;
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
@@ -84,7 +84,7 @@ pub fn load(files: &CertFiles) -> Result<(CertifiedKey, Vec<u8>), TlsError> {
 
 /// When the leaf certificate of a chain expires, in seconds since the Unix epoch (None when it
 /// cannot be parsed: rustls then refuses it anyway).
-pub fn not_after_unix(key: &CertifiedKey) -> Option<i64> {
+pub(crate) fn not_after_unix(key: &CertifiedKey) -> Option<i64> {
     let leaf = key.cert.first()?;
     let (_, cert) = x509_parser::parse_x509_certificate(leaf).ok()?;
     Some(cert.validity().not_after.timestamp())
@@ -109,7 +109,7 @@ impl ReloadingCert {
     }
 
     /// A gauge of the serving certificate's expiry (Unix seconds), kept current on reloads.
-    pub fn not_after_gauge(&self) -> Gauge {
+    pub(crate) fn not_after_gauge(&self) -> Gauge {
         self.not_after.clone()
     }
 
@@ -128,7 +128,7 @@ impl ReloadingCert {
 
     /// Polls the files every `every` and swaps in a new certificate when their content changed.
     /// A half-written or broken pair is skipped (the old certificate keeps serving) and retried.
-    pub async fn watch(
+    pub(crate) async fn watch(
         self: Arc<Self>,
         files: CertFiles,
         mut fingerprint: Vec<u8>,
@@ -186,10 +186,10 @@ pub struct Generated {
 }
 
 /// How long a serving certificate is valid.
-pub const SERVING_CERT_DAYS: i64 = 365;
+pub(crate) const SERVING_CERT_DAYS: i64 = 365;
 
 /// The date a serving certificate issued now expires (UTC, whole days).
-pub fn serving_not_after() -> jiff::civil::Date {
+pub(crate) fn serving_not_after() -> jiff::civil::Date {
     let today = jiff::Timestamp::now()
         .to_zoned(jiff::tz::TimeZone::UTC)
         .date();
@@ -244,7 +244,7 @@ pub fn generate(hosts: &[String], ca: Option<(&str, &str)>) -> Result<Generated,
 }
 
 /// Writes a file atomically (write a temporary file, then rename), so readers never see half.
-pub fn write_atomic(path: &Path, content: &str) -> Result<(), TlsError> {
+pub(crate) fn write_atomic(path: &Path, content: &str) -> Result<(), TlsError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, content)
         .and_then(|()| std::fs::rename(&tmp, path))

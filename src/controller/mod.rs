@@ -1,6 +1,12 @@
 //! `fencedlease controller`: keeps every FencedLease's status true, revokes expired leases,
 //! and emits Events. It is not on the critical path: candidates fail over without it.
 
+pub mod certs;
+pub mod holder;
+mod owners;
+pub(crate) mod pods;
+pub mod policy;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -26,17 +32,18 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
-use crate::admin::{AdminServer, ReadyFlag, RenewalGauge};
+use crate::runtime::admin::RenewalGauge;
+use crate::runtime::admin_port::{AdminServer, ReadyFlag};
 use crate::runtime::Runtime;
 
 use crate::api::{Condition, FencedLease, FIELD_MANAGER, ROLE_LABEL};
-use crate::holder::{holder_death, may_revoke_again, Death, HolderPod};
+use crate::controller::holder::{holder_death, may_revoke_again, Death, HolderPod};
+use crate::controller::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, FencingToken, Mono, Observation,
 };
 use crate::lease::Revocation;
-use crate::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE};
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
@@ -100,17 +107,17 @@ pub struct ControllerArgs {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabel {
+pub(crate) struct ResultLabel {
     pub result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EventLabel {
+pub(crate) struct EventLabel {
     pub event: &'static str,
 }
 
 /// The controller's metrics.
-pub struct ControllerMetrics {
+pub(crate) struct ControllerMetrics {
     pub reconciles: Family<ResultLabel, Counter>,
     pub reconcile_seconds: Histogram,
     pub lease_events: Family<EventLabel, Counter>,
@@ -118,7 +125,7 @@ pub struct ControllerMetrics {
 }
 
 impl ControllerMetrics {
-    pub fn register(registry: &mut Registry) -> ControllerMetrics {
+    pub(crate) fn register(registry: &mut Registry) -> ControllerMetrics {
         let m = ControllerMetrics {
             reconciles: Family::default(),
             reconcile_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
@@ -150,7 +157,7 @@ impl ControllerMetrics {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("the object has no namespace")]
@@ -202,7 +209,7 @@ fn bounded_note(mut note: String) -> String {
 }
 
 impl Error {
-    pub fn metric_label(&self) -> &'static str {
+    pub(crate) fn metric_label(&self) -> &'static str {
         match self {
             Error::Kube(kube::Error::Api(s)) if s.code == 409 => "conflict",
             Error::Kube(kube::Error::Api(_)) => "api",
@@ -241,22 +248,22 @@ enum Cause {
 }
 
 /// State handed to `reconcile` and `error_policy`.
-pub struct Context {
+pub(crate) struct Context {
     pub client: Client,
     pub recorder: Recorder,
     pub metrics: ControllerMetrics,
     origin: Instant,
     seen: Mutex<HashMap<String, Seen>>,
-    /// Pods that belong to leases, fed by a watch of pods (see `crate::pods`).
+    /// Pods that belong to leases, fed by a watch of pods (see `crate::controller::pods`).
     pods: Mutex<PodIndex>,
     /// Policy mode: the fencing policy's bindings, one per lease.
-    bindings: Option<Arc<crate::policy::Bindings>>,
+    bindings: Option<Arc<crate::controller::policy::Bindings>>,
     /// The namespaces the fencing leaves out, when known (`--unfenced-namespace`).
     unfenced: Option<std::collections::BTreeSet<String>>,
 }
 
 impl Context {
-    pub fn new(client: Client, metrics: ControllerMetrics, identity: &str) -> Context {
+    pub(crate) fn new(client: Client, metrics: ControllerMetrics, identity: &str) -> Context {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -277,13 +284,16 @@ impl Context {
     }
 
     /// Knows which namespaces the fencing leaves out (none given: it does not know).
-    pub fn with_unfenced(mut self, namespaces: &[String]) -> Context {
+    pub(crate) fn with_unfenced(mut self, namespaces: &[String]) -> Context {
         self.unfenced = (!namespaces.is_empty()).then(|| namespaces.iter().cloned().collect());
         self
     }
 
     /// Keeps the fencing policy's bindings too (policy mode).
-    pub fn with_bindings(mut self, bindings: Option<Arc<crate::policy::Bindings>>) -> Context {
+    pub(crate) fn with_bindings(
+        mut self,
+        bindings: Option<Arc<crate::controller::policy::Bindings>>,
+    ) -> Context {
         self.bindings = bindings;
         self
     }
@@ -350,7 +360,7 @@ const BINDING_RETRY: Duration = Duration::from_secs(2);
 const REVOKE_RACE_RETRY: Duration = Duration::from_millis(50);
 
 #[instrument(skip_all, fields(lease = %lease.name_any(), ns = ?lease.namespace()))]
-pub async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
+pub(crate) async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let mut outcome = match LeaseReconcile::new(&lease, &ctx) {
         Ok(mut r) => run_steps(&mut r).await,
@@ -1103,7 +1113,7 @@ fn pod_triggers(
     };
     watcher(api, watcher::Config::default().any_semantic())
         .default_backoff()
-        .modify(crate::pods::slim)
+        .modify(crate::controller::pods::slim)
         .filter_map(move |event| {
             let ctx = ctx.clone();
             async move {
@@ -1128,7 +1138,7 @@ fn pod_triggers(
         .flatten()
 }
 
-pub fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>) -> Action {
+pub(crate) fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>) -> Action {
     match error {
         Error::Kube(kube::Error::Api(s)) if s.code == 409 => {
             Action::requeue(Duration::from_millis(50))
@@ -1140,8 +1150,8 @@ pub fn error_policy(_lease: Arc<FencedLease>, error: &Error, _ctx: Arc<Context>)
     }
 }
 
-fn cert_config(args: &ControllerArgs) -> Option<crate::certs::CertConfig> {
-    Some(crate::certs::CertConfig {
+fn cert_config(args: &ControllerArgs) -> Option<crate::controller::certs::CertConfig> {
+    Some(crate::controller::certs::CertConfig {
         namespace: args.election_namespace.clone(),
         secret: args.webhook_cert_secret.clone()?,
         service: args.webhook_service.clone()?,
@@ -1150,9 +1160,9 @@ fn cert_config(args: &ControllerArgs) -> Option<crate::certs::CertConfig> {
 }
 
 /// Keeps the webhook certificate and caBundles current while this replica is active.
-async fn keep_certificates(client: Client, cfg: crate::certs::CertConfig) {
+async fn keep_certificates(client: Client, cfg: crate::controller::certs::CertConfig) {
     loop {
-        let wait = match crate::certs::reconcile(&client, &cfg).await {
+        let wait = match crate::controller::certs::reconcile(&client, &cfg).await {
             Ok(_) => Duration::from_secs(60),
             Err(e) => {
                 warn!(error = %e, kind = e.metric_label(), "keeping the webhook certificate failed; retrying");
@@ -1199,8 +1209,8 @@ async fn adopt_election_lease(
 }
 
 /// Policy mode, while this replica is active: every `period`, removes the bindings of leases
-/// that are gone and restores missing or changed ones (see [`crate::policy::Bindings::sweep`]).
-async fn sweep_bindings(bindings: Arc<crate::policy::Bindings>, period: Duration) {
+/// that are gone and restores missing or changed ones (see [`crate::controller::policy::Bindings::sweep`]).
+async fn sweep_bindings(bindings: Arc<crate::controller::policy::Bindings>, period: Duration) {
     loop {
         if let Err(e) = bindings.sweep().await {
             warn!(error = %short(&e), "sweeping the fencing bindings failed; retrying");
@@ -1210,15 +1220,15 @@ async fn sweep_bindings(bindings: Arc<crate::policy::Bindings>, period: Duration
 }
 
 /// Runs the controller: campaigns for the controller lease and reconciles while active.
-pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
         .identity
         .clone()
-        .unwrap_or_else(crate::identity::default_identity);
+        .unwrap_or_else(crate::runtime::identity::default_identity);
     let rt = Runtime::start().await?;
     let client = rt.client().clone();
     if let Some(policy) = &args.fencing_policy {
-        crate::policy::require_policy(&client, policy).await?;
+        crate::controller::policy::require_policy(&client, policy).await?;
     }
     // The metrics server starts first, before the elector.
     let ready = ReadyFlag::default();
@@ -1238,7 +1248,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<std::process::ExitCode>
     renewals.follow(handle.state.clone());
     let elector = rt.spawn_elector(elector);
     let bindings = args.fencing_policy.clone().map(|p| {
-        Arc::new(crate::policy::Bindings::new(
+        Arc::new(crate::controller::policy::Bindings::new(
             client.clone(),
             p,
             args.namespace.clone(),
@@ -1298,7 +1308,8 @@ fn start_admin(
 /// be read; otherwise a warning, and none.
 async fn election_owner(client: &Client, args: &ControllerArgs) -> Option<OwnerReference> {
     let service = args.election_owner_service.as_ref()?;
-    match crate::owners::service_owner(client, &args.election_namespace, service).await {
+    match crate::controller::owners::service_owner(client, &args.election_namespace, service).await
+    {
         Ok(Some(owner)) => Some(owner),
         Ok(None) => {
             warn!(%service, "the Service meant to own the election FencedLease does not exist: the lease will outlive the operator");
@@ -1610,7 +1621,7 @@ mod tests {
 
     #[test]
     fn a_revocation_is_recognised_from_the_status_it_wrote() {
-        use crate::holder::Finished;
+        use crate::controller::holder::Finished;
         for cause in [
             Cause::Expired,
             Cause::HolderDead(Death::PodGone),

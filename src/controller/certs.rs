@@ -14,7 +14,7 @@ use kube::{Api, Client};
 use tracing::info;
 
 use crate::api::{FIELD_MANAGER, HOSTS_ANNOTATION, NOT_AFTER_ANNOTATION};
-use crate::webhook::tls;
+use crate::runtime::tls;
 
 /// Renew the serving certificate when it has fewer days left than this.
 const RENEW_DAYS_BEFORE: i64 = 30;
@@ -29,7 +29,7 @@ pub struct CertConfig {
 
 impl CertConfig {
     /// The DNS names the API server may use for the Service.
-    pub fn hosts(&self) -> Vec<String> {
+    pub(super) fn hosts(&self) -> Vec<String> {
         let (s, ns) = (&self.service, &self.namespace);
         vec![
             format!("{s}.{ns}.svc"),
@@ -46,7 +46,11 @@ fn text(data: &BTreeMap<String, ByteString>, key: &str) -> Option<String> {
 }
 
 /// Does this Secret still serve: all keys present, the right hosts, not near expiry?
-pub fn secret_is_current(secret: &Secret, hosts: &[String], today: jiff::civil::Date) -> bool {
+pub(super) fn secret_is_current(
+    secret: &Secret,
+    hosts: &[String],
+    today: jiff::civil::Date,
+) -> bool {
     let Some(data) = secret.data.as_ref() else {
         return false;
     };
@@ -76,7 +80,7 @@ pub enum Error {
 
 impl Error {
     /// A bounded label for metrics and logs.
-    pub fn metric_label(&self) -> &'static str {
+    pub(super) fn metric_label(&self) -> &'static str {
         match self {
             Error::Kube(_) => "kube",
             Error::Tls(_) => "tls",
@@ -153,7 +157,7 @@ async fn issue(
     secret.data = Some(data);
     // Owned by the webhook Service, so that uninstalling the operator removes it.
     secret.metadata.owner_references =
-        crate::owners::service_owner(client, &cfg.namespace, &cfg.service)
+        crate::controller::owners::service_owner(client, &cfg.namespace, &cfg.service)
             .await?
             .map(|o| vec![o]);
     match existing {

@@ -25,20 +25,20 @@ use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
 /// The largest request body the proxy reads to add the token.
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+pub(super) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// Request header pinning a write to the tenure it was decided under: the token (a canonical
 /// decimal). The proxy stamps the current token on every write, so without a pin a request
 /// decided under token N, delayed while the pod lost the lease and got it back under N+k,
 /// would go out under N+k; with the pin it is refused. (Stripped before forwarding.)
-pub const PIN_HEADER: &str = "fencedlease-token";
+pub(super) const PIN_HEADER: &str = "fencedlease-token";
 /// With [`PIN_HEADER`]: the lease UID the pinned token belongs to (optional).
-pub const PIN_UID_HEADER: &str = "fencedlease-lease-uid";
+pub(super) const PIN_UID_HEADER: &str = "fencedlease-lease-uid";
 
 /// Checks a write's pin (the values of [`PIN_HEADER`] and [`PIN_UID_HEADER`], if sent)
 /// against the tenure the pod leads in now: a write with no pin passes; one pinned to another
 /// tenure, or with a malformed pin, is refused with the reason.
-pub fn check_pin(
+pub(super) fn check_pin(
     token: Option<&str>,
     uid: Option<&str>,
     current: &FencingToken,
@@ -49,7 +49,7 @@ pub fn check_pin(
             None => Ok(()),
         };
     };
-    let pinned = crate::fencing::parse_token(token)
+    let pinned = crate::stamp::parse_token(token)
         .map_err(|e| format!("{PIN_HEADER} {token:?} is not a token: {e}"))?;
     let same_uid = uid.is_none_or(|u| u == current.lease_uid);
     if pinned == current.generation && same_uid {
@@ -70,27 +70,27 @@ pub fn check_pin(
 /// new token, over the work of whoever led in between: such writes wait until the app
 /// acknowledges the tenure (`POST /v1/acknowledge` on the sidecar's API, or a write pinned to
 /// the current token).
-pub fn admits_unpinned(tenure: u64, acknowledged: u64, led_before: bool) -> bool {
+pub(super) fn admits_unpinned(tenure: u64, acknowledged: u64, led_before: bool) -> bool {
     (tenure <= 1 && !led_before) || tenure == acknowledged
 }
 
 /// Which tenure the app last showed it knows: shared by the proxy and the sidecar's API.
 #[derive(Clone, Debug, Default)]
-pub struct Acknowledged(Arc<std::sync::atomic::AtomicU64>);
+pub(super) struct Acknowledged(Arc<std::sync::atomic::AtomicU64>);
 
 impl Acknowledged {
     /// Records that the app knows tenure `tenure`.
-    pub fn set(&self, tenure: u64) {
+    pub(super) fn set(&self, tenure: u64) {
         self.0.store(tenure, std::sync::atomic::Ordering::SeqCst);
     }
     /// The tenure the app last acknowledged (0: none).
-    pub fn get(&self) -> u64 {
+    pub(super) fn get(&self) -> u64 {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
 /// The pod's token and tenure, if it leads now.
-pub fn leading_now(state: &LeaderState) -> Option<(FencingToken, u64)> {
+pub(super) fn leading_now(state: &LeaderState) -> Option<(FencingToken, u64)> {
     match state {
         LeaderState::Leading { token, tenure, .. } => state
             .leading_token(clock::now())
@@ -142,7 +142,7 @@ impl Proxy {
 
 /// What to do with a request body before forwarding it.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Rewrite {
+pub(super) enum Rewrite {
     /// Forward unchanged (a read, or a body we do not rewrite).
     Pass,
     /// Add the token to this JSON body.
@@ -152,7 +152,7 @@ pub enum Rewrite {
 }
 
 /// Decides by method and content type.
-pub fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
+pub(super) fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
     let ct = content_type
         .unwrap_or("")
         .split(';')
@@ -175,7 +175,7 @@ pub fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
 /// A write id never used before by this process: the token, the process id, the time the
 /// process started and a counter. It only has to differ from the one stored on the object; it
 /// proves that this write stamped the token itself.
-pub fn new_write_id(token: &FencingToken) -> String {
+pub(super) fn new_write_id(token: &FencingToken) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -192,7 +192,7 @@ pub fn new_write_id(token: &FencingToken) -> String {
 
 /// Adds the token annotations and a new write id to a JSON object body (a full object or a
 /// merge patch).
-pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
+pub(super) fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
     let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
@@ -212,7 +212,7 @@ pub fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
 }
 
 /// The lease a stored object (or list: none) is protected by: its [`LEASE_LABEL`].
-pub fn protected_by(object: &Value) -> Option<&str> {
+pub(super) fn protected_by(object: &Value) -> Option<&str> {
     object["metadata"]["labels"][LEASE_LABEL]
         .as_str()
         .filter(|l| !l.is_empty())
@@ -220,7 +220,7 @@ pub fn protected_by(object: &Value) -> Option<&str> {
 
 /// The merge patch that announces a delete under `token`: the stamp with a new write id, and
 /// the delete intent set to that same id.
-pub fn announcement(token: &FencingToken) -> Value {
+pub(super) fn announcement(token: &FencingToken) -> Value {
     let id = new_write_id(token);
     json!({"metadata": {"annotations": {
         TOKEN_ANNOTATION: token.generation.to_string(),
@@ -231,7 +231,7 @@ pub fn announcement(token: &FencingToken) -> Value {
 }
 
 /// The `preconditions.resourceVersion` of a delete's body (DeleteOptions), if it has one.
-pub fn precondition_of(body: &[u8]) -> Option<String> {
+pub(super) fn precondition_of(body: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(body).ok()?;
     v["preconditions"]["resourceVersion"]
         .as_str()
@@ -241,7 +241,7 @@ pub fn precondition_of(body: &[u8]) -> Option<String> {
 /// The delete's body with its `preconditions.resourceVersion` (if it has one) moved to `rv`,
 /// the version the announcement wrote: the client's precondition was checked against the
 /// version before it.
-pub fn with_precondition(body: Vec<u8>, rv: &str) -> Vec<u8> {
+pub(super) fn with_precondition(body: Vec<u8>, rv: &str) -> Vec<u8> {
     let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
         return body;
     };
@@ -349,7 +349,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
         if let Some(why) = p.refusal(&parts.headers) {
             return status(
                 StatusCode::FORBIDDEN,
-                crate::fencing::REFUSAL_REASON,
+                crate::stamp::REFUSAL_REASON,
                 format!("fencedlease sidecar: {why}; writes through the proxy are refused"),
             );
         }
@@ -397,7 +397,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
 
 /// Every request goes on only with the pod's secret; else 401 as a Kubernetes Status.
 async fn gate(
-    State(secret): State<Arc<crate::secret::ApiSecret>>,
+    State(secret): State<Arc<crate::sidecar::secret::ApiSecret>>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
@@ -494,7 +494,7 @@ fn upstream_request(
 }
 
 /// What the proxy needs besides its client.
-pub struct ProxyConfig {
+pub(super) struct ProxyConfig {
     pub state: watch::Receiver<LeaderState>,
     pub lease: String,
     pub namespace: String,
@@ -502,12 +502,12 @@ pub struct ProxyConfig {
     pub allow_unacknowledged: bool,
     /// An earlier run of the sidecar in this pod had led (its token directory says so).
     pub led_before: bool,
-    /// Every request must carry it ([`crate::secret`]).
-    pub secret: Arc<crate::secret::ApiSecret>,
+    /// Every request must carry it ([`crate::sidecar::secret`]).
+    pub secret: Arc<crate::sidecar::secret::ApiSecret>,
 }
 
 /// The proxy's router.
-pub fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
+pub(super) fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
     let secret = cfg.secret;
     Router::new()
         .fallback(forward)

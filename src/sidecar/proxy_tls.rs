@@ -1,6 +1,6 @@
 //! TLS for the sidecar's Kubernetes API proxy, and the kubeconfig that points an app at it.
 //!
-//! The proxy answers only requests with the pod's secret ([`crate::secret`]), and standard
+//! The proxy answers only requests with the pod's secret ([`crate::sidecar::secret`]), and standard
 //! Kubernetes clients (kubectl, client-go's kubeconfig loading) send credentials over TLS
 //! only. So the proxy serves TLS on loopback with a certificate of its own: a CA and a serving
 //! certificate for 127.0.0.1, ::1 and localhost, written with the key into the token dir
@@ -40,7 +40,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
-pub enum ProxyTlsError {
+pub(super) enum ProxyTlsError {
     #[error("generating the proxy's certificate: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("the certificate just written into {0} does not load back: is the token dir shared with a process that changes it?")]
@@ -57,19 +57,8 @@ pub enum ProxyTlsError {
     },
 }
 
-impl ProxyTlsError {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            ProxyTlsError::Generate(_) => "generate",
-            ProxyTlsError::Unloadable(_) => "unloadable",
-            ProxyTlsError::Config(_) => "config",
-            ProxyTlsError::Write { .. } => "write",
-        }
-    }
-}
-
 /// The proxy's TLS server configuration, from the certificate kept in `dir` or a new one.
-pub fn load_or_create(dir: &Path) -> Result<Arc<rustls::ServerConfig>, ProxyTlsError> {
+pub(super) fn load_or_create(dir: &Path) -> Result<Arc<rustls::ServerConfig>, ProxyTlsError> {
     let (certs, key) = match kept(dir) {
         Some(kept) => kept,
         None => {
@@ -137,7 +126,7 @@ fn generate_into(dir: &Path) -> Result<(), ProxyTlsError> {
 /// The kubeconfig of an app that talks to the API server through the proxy at `addr`, as
 /// JSON (which every kubeconfig reader takes as YAML): the proxy's CA and the pod's secret by
 /// paths relative to the kubeconfig itself, and `namespace` as the default namespace.
-pub fn kubeconfig(addr: SocketAddr, namespace: &str) -> serde_json::Value {
+pub(super) fn kubeconfig(addr: SocketAddr, namespace: &str) -> serde_json::Value {
     let name = "fencedlease-proxy";
     serde_json::json!({
         "apiVersion": "v1",
@@ -155,7 +144,7 @@ pub fn kubeconfig(addr: SocketAddr, namespace: &str) -> serde_json::Value {
 }
 
 /// Writes [`kubeconfig`] into `dir` (after the certificate and the secret, which it names).
-pub fn write_kubeconfig(
+pub(super) fn write_kubeconfig(
     dir: &Path,
     addr: SocketAddr,
     namespace: &str,
@@ -182,7 +171,7 @@ fn write_atomic(path: &Path, content: &str) -> Result<(), ProxyTlsError> {
 /// (more wait in the listen queue), each handshake within [`HANDSHAKE_TIMEOUT`] and each
 /// request's headers within [`HEADER_TIMEOUT`]; at `stop`, open connections finish the
 /// request under way and close.
-pub async fn serve(
+pub(super) async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     tls: Arc<rustls::ServerConfig>,

@@ -12,7 +12,7 @@
 use tracing_subscriber::EnvFilter;
 
 /// The environment variable that chooses the format when `--log-format` is not given.
-pub const FORMAT_ENV: &str = "FENCEDLEASE_LOG_FORMAT";
+pub(crate) const FORMAT_ENV: &str = "FENCEDLEASE_LOG_FORMAT";
 
 /// How log lines are written (to standard error).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -26,7 +26,8 @@ pub enum LogFormat {
 
 impl LogFormat {
     /// The value as `--log-format` takes it.
-    pub fn as_str(self) -> &'static str {
+    #[cfg(feature = "operator")]
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             LogFormat::Text => "text",
             LogFormat::Json => "json",

@@ -20,7 +20,7 @@ use std::ptr::NonNull;
 
 /// A mapping whose pages may be dropped: `start..end` (addresses) and its resident size.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Region {
+pub(super) struct Region {
     pub start: usize,
     pub end: usize,
     pub rss_kib: u64,
@@ -28,7 +28,7 @@ pub struct Region {
 
 /// What one trim gave back.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Trimmed {
+pub(super) struct Trimmed {
     /// Mappings dropped.
     pub regions: usize,
     /// Their resident kibibytes before the drop.
@@ -38,13 +38,13 @@ pub struct Trimmed {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(super) enum Error {
     #[error("reading /proc/self/smaps: {0}")]
     Smaps(#[from] std::io::Error),
 }
 
 impl Error {
-    pub fn metric_label(&self) -> &'static str {
+    pub(super) fn metric_label(&self) -> &'static str {
         match self {
             Error::Smaps(_) => "smaps",
         }
@@ -119,7 +119,7 @@ impl Entry {
 
 /// The mappings in `smaps` (the text of /proc/PID/smaps) whose resident pages can be dropped
 /// without losing data.
-pub fn droppable(smaps: &str) -> Vec<Region> {
+pub(super) fn droppable(smaps: &str) -> Vec<Region> {
     let mut out = Vec::new();
     let mut current: Option<Entry> = None;
     for line in smaps.lines() {
@@ -135,7 +135,7 @@ pub fn droppable(smaps: &str) -> Vec<Region> {
 
 /// Drops this process's resident pages of its droppable mappings (see the module's doc).
 /// Linux only; elsewhere /proc/self/smaps is missing and this returns the error.
-pub fn trim_startup_pages() -> Result<Trimmed, Error> {
+pub(super) fn trim_startup_pages() -> Result<Trimmed, Error> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
     let mut trimmed = Trimmed::default();
     for r in droppable(&smaps) {

@@ -24,7 +24,7 @@ use crate::lease::rules::Mono;
 /// What the index keeps of the container that campaigns (the injected sidecar, or the
 /// container that `fencedlease.io/campaign-container` names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Campaigner {
+pub(crate) enum Campaigner {
     /// Running since `since` (`state.running.startedAt`, one-second resolution).
     Running { since: Timestamp },
     /// Not running now, and its last run ended at `finished` (`state.terminated`, or
@@ -36,7 +36,7 @@ pub enum Campaigner {
 
 /// What the index knows of one pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PodState {
+pub(crate) struct PodState {
     /// Its phase is Failed or Succeeded: its containers never run again.
     pub finished: Option<Finished>,
     /// `metadata.deletionTimestamp` is set: it is being deleted gracefully.
@@ -46,14 +46,14 @@ pub struct PodState {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finished {
+pub(crate) enum Finished {
     Failed,
     Succeeded,
 }
 
 /// What the controller knows of the pod that a lease's holder identity names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HolderPod {
+pub(crate) enum HolderPod {
     /// The pod index has not completed its first list: it knows nothing yet.
     Unknown,
     /// No pod of this lease has that name, and none was seen deleted: the holder may be
@@ -67,7 +67,7 @@ pub enum HolderPod {
 
 /// Why the controller knows the holder is dead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Death {
+pub(super) enum Death {
     PodGone,
     PodFinished(Finished),
     ContainerTerminated,
@@ -81,7 +81,7 @@ pub const RESOLUTION: SignedDuration = SignedDuration::from_secs(1);
 
 impl Death {
     /// The Event reason.
-    pub fn reason(self) -> &'static str {
+    pub(super) fn reason(self) -> &'static str {
         match self {
             Death::PodGone => "HolderPodGone",
             Death::PodFinished(_) => "HolderPodFinished",
@@ -91,7 +91,7 @@ impl Death {
     }
 
     /// The death whose Event reason is `reason` (to recognise a recorded revocation).
-    pub fn from_reason(reason: &str) -> Option<Death> {
+    pub(super) fn from_reason(reason: &str) -> Option<Death> {
         [
             Death::PodGone,
             Death::PodFinished(Finished::Failed),
@@ -103,7 +103,7 @@ impl Death {
     }
 
     /// What happened, without naming the pod (for the lease's conditions).
-    pub fn summary(self) -> &'static str {
+    pub(super) fn summary(self) -> &'static str {
         match self {
             Death::PodGone => "the holder's pod was deleted",
             Death::PodFinished(_) => "the holder's pod failed or completed",
@@ -113,7 +113,7 @@ impl Death {
     }
 
     /// One sentence on what happened to `holder`'s pod, for Events.
-    pub fn note(self, holder: &str) -> String {
+    pub(super) fn note(self, holder: &str) -> String {
         match self {
             Death::PodGone => format!("the holder's pod {holder} was deleted"),
             Death::PodFinished(Finished::Failed) => {
@@ -156,7 +156,7 @@ fn surely_after(at: Timestamp, acquired: Timestamp) -> bool {
 
 /// The rule: is the holder known dead? `opted_in` is the lease's `spec.revokeOnHolderDeath`,
 /// `acquired` its [`tenure_start`].
-pub fn death(opted_in: bool, acquired: Option<Timestamp>, pod: HolderPod) -> Option<Death> {
+pub(super) fn death(opted_in: bool, acquired: Option<Timestamp>, pod: HolderPod) -> Option<Death> {
     if !opted_in {
         return None;
     }
@@ -193,7 +193,7 @@ pub fn death(opted_in: bool, acquired: Option<Timestamp>, pod: HolderPod) -> Opt
 /// another process given that identity) acquires again after the revocation; revoking it again
 /// at once would trade writes with it as fast as both can go. After one early revocation it is
 /// waited out like any holder.
-pub fn may_revoke_again(
+pub(super) fn may_revoke_again(
     last: Option<(&str, Mono)>,
     holder: &str,
     now: Mono,
@@ -206,7 +206,7 @@ pub fn may_revoke_again(
 }
 
 /// [`death`] for a lease that is held; `None` for a free lease.
-pub fn holder_death(lease: &FencedLease, pod: HolderPod) -> Option<Death> {
+pub(super) fn holder_death(lease: &FencedLease, pod: HolderPod) -> Option<Death> {
     lease.holder()?;
     death(lease.spec.revoke_on_holder_death, tenure_start(lease), pod)
 }

@@ -5,6 +5,14 @@
 //! command, the reconciler, the servers), then the elector, so that the lease is released only
 //! once nothing acts on it any more.
 
+pub(crate) mod admin;
+#[cfg(feature = "operator")]
+pub(crate) mod admin_port;
+pub(crate) mod identity;
+pub mod logging;
+#[cfg(feature = "operator")]
+pub mod tls;
+
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -13,7 +21,7 @@ use crate::api::{MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS};
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle};
 
 #[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
+pub(crate) enum RuntimeError {
     #[error("connecting to Kubernetes (set KUBECONFIG or run in a pod): {0}")]
     Client(#[source] kube::Error),
     #[error("installing the {signal} handler: {source}")]
@@ -24,7 +32,7 @@ pub enum RuntimeError {
 }
 
 /// The Kubernetes client from the kubeconfig (`$KUBECONFIG`) or the pod's service account.
-pub async fn client() -> Result<kube::Client, RuntimeError> {
+pub(crate) async fn client() -> Result<kube::Client, RuntimeError> {
     kube::Client::try_default()
         .await
         .map_err(RuntimeError::Client)
@@ -32,7 +40,7 @@ pub async fn client() -> Result<kube::Client, RuntimeError> {
 
 /// The client and the shutdown token of a running role.
 #[derive(Clone)]
-pub struct Runtime {
+pub(crate) struct Runtime {
     client: kube::Client,
     shutdown: CancellationToken,
 }
@@ -40,25 +48,25 @@ pub struct Runtime {
 impl Runtime {
     /// Installs the signal handlers (first, so that a SIGTERM during start-up is not lost and
     /// does not kill the process), then connects to Kubernetes.
-    pub async fn start() -> Result<Runtime, RuntimeError> {
+    pub(crate) async fn start() -> Result<Runtime, RuntimeError> {
         let shutdown = CancellationToken::new();
         cancel_on_signals(shutdown.clone())?;
         let client = client().await?;
         Ok(Runtime { client, shutdown })
     }
 
-    pub fn client(&self) -> &kube::Client {
+    pub(crate) fn client(&self) -> &kube::Client {
         &self.client
     }
 
     /// Cancelled on SIGTERM or SIGINT; a role may cancel it itself to stop.
-    pub fn shutdown(&self) -> &CancellationToken {
+    pub(crate) fn shutdown(&self) -> &CancellationToken {
         &self.shutdown
     }
 
     /// A candidate for the FencedLease `lease` in `namespace` as `identity`, which creates the
     /// lease with `create_with_duration` seconds if it does not exist (campaign and sidecar).
-    pub fn candidate(
+    pub(crate) fn candidate(
         &self,
         namespace: &str,
         lease: &str,
@@ -71,20 +79,20 @@ impl Runtime {
     }
 
     /// Runs `elector` on a task until [`ElectorTask::stop`].
-    pub fn spawn_elector(&self, elector: Elector) -> ElectorTask {
+    pub(crate) fn spawn_elector(&self, elector: Elector) -> ElectorTask {
         ElectorTask::spawn(elector)
     }
 }
 
 /// The parser of every `--lease-duration` flag: whole seconds within the CRD's bounds.
-pub fn lease_duration_parser() -> clap::builder::RangedI64ValueParser<i32> {
+pub(crate) fn lease_duration_parser() -> clap::builder::RangedI64ValueParser<i32> {
     clap::value_parser!(i32)
         .range(i64::from(MIN_LEASE_DURATION_SECONDS)..=i64::from(MAX_LEASE_DURATION_SECONDS))
 }
 
 /// Cancels `token` on the first SIGTERM or SIGINT. The handlers are installed before this
 /// returns; the waiting goes on in a task.
-pub fn cancel_on_signals(token: CancellationToken) -> Result<JoinHandle<()>, RuntimeError> {
+pub(crate) fn cancel_on_signals(token: CancellationToken) -> Result<JoinHandle<()>, RuntimeError> {
     use tokio::signal::unix::{signal, SignalKind};
     let installed = |kind, signal_name| {
         signal(kind).map_err(|source| RuntimeError::Signal {
@@ -105,7 +113,7 @@ pub fn cancel_on_signals(token: CancellationToken) -> Result<JoinHandle<()>, Run
 }
 
 /// The elector running on a task of its own, and its stop.
-pub struct ElectorTask {
+pub(crate) struct ElectorTask {
     stop: CancellationToken,
     task: JoinHandle<Result<(), crate::lease::elector::Error>>,
 }
@@ -119,7 +127,7 @@ impl ElectorTask {
 
     /// Stops the elector (it releases the lease if it holds it) and waits for it; the error
     /// it ended with, if any.
-    pub async fn stop(self) -> Option<anyhow::Error> {
+    pub(crate) async fn stop(self) -> Option<anyhow::Error> {
         self.stop.cancel();
         match self.task.await {
             Ok(Ok(())) => None,
@@ -129,9 +137,9 @@ impl ElectorTask {
     }
 
     /// [`ElectorTask::stop`], logging the error as a warning.
-    pub async fn stop_and_warn(self) {
+    pub(crate) async fn stop_and_warn(self) {
         if let Some(e) = self.stop().await {
-            warn!(error = %crate::logging::error_line(&e), "the elector ended with an error");
+            warn!(error = %crate::runtime::logging::error_line(&e), "the elector ended with an error");
         }
     }
 }

@@ -6,8 +6,7 @@
 //! Also here: the renewal gauge that every elected role exports ([`RenewalGauge`]).
 
 use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -17,26 +16,27 @@ use axum::routing::get;
 use axum::Router;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::lease::elector::LeaderState;
 
 /// The content type of `/metrics`.
-pub const OPENMETRICS_CONTENT_TYPE: &str =
+pub(crate) const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Whether a role is ready: `Ok` or the reason it is not (the body of a 503 on `/readyz`).
 #[derive(Clone)]
-pub struct Readiness(Arc<dyn Fn() -> Result<(), &'static str> + Send + Sync>);
+pub(crate) struct Readiness(Arc<dyn Fn() -> Result<(), &'static str> + Send + Sync>);
 
 impl Readiness {
     /// Readiness decided by `check` at each request.
-    pub fn from_fn(check: impl Fn() -> Result<(), &'static str> + Send + Sync + 'static) -> Self {
+    pub(crate) fn from_fn(
+        check: impl Fn() -> Result<(), &'static str> + Send + Sync + 'static,
+    ) -> Self {
         Readiness(Arc::new(check))
     }
 
-    pub fn check(&self) -> Result<(), &'static str> {
+    pub(crate) fn check(&self) -> Result<(), &'static str> {
         (self.0)()
     }
 }
@@ -47,52 +47,23 @@ impl std::fmt::Debug for Readiness {
     }
 }
 
-/// A readiness switch (not ready until set): for roles whose readiness is a moment, not a check.
-#[derive(Clone, Debug, Default)]
-pub struct ReadyFlag(Arc<AtomicBool>);
-
-impl ReadyFlag {
-    pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Relaxed);
-    }
-
-    pub fn is_set(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    /// The [`Readiness`] that follows this flag.
-    pub fn readiness(&self) -> Readiness {
-        let flag = self.0.clone();
-        Readiness::from_fn(move || {
-            if flag.load(Ordering::Relaxed) {
-                Ok(())
-            } else {
-                Err("not ready")
-            }
-        })
-    }
-}
-
 /// `/livez` and `/readyz`.
-pub fn health_routes<S: Clone + Send + Sync + 'static>(ready: Readiness) -> Router<S> {
+pub(crate) fn health_routes<S: Clone + Send + Sync + 'static>(ready: Readiness) -> Router<S> {
     Router::new()
         .route("/livez", get(live))
         .route("/readyz", get(move || readyz(ready.clone())))
 }
 
 /// `/healthz`, the sidecar's name for `/livez` that pods injected before keep probing.
-pub fn healthz_alias<S: Clone + Send + Sync + 'static>() -> Router<S> {
+pub(crate) fn healthz_alias<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new().route("/healthz", get(live))
 }
 
 /// `/metrics`: `registry` as OpenMetrics text.
-pub fn metrics_route<S: Clone + Send + Sync + 'static>(registry: Arc<Registry>) -> Router<S> {
+pub(crate) fn metrics_route<S: Clone + Send + Sync + 'static>(
+    registry: Arc<Registry>,
+) -> Router<S> {
     Router::new().route("/metrics", get(move || metrics(registry.clone())))
-}
-
-/// `/livez`, `/readyz` and `/metrics`: what a role's admin port serves.
-pub fn router(ready: Readiness, registry: Arc<Registry>) -> Router {
-    health_routes(ready).merge(metrics_route(registry))
 }
 
 async fn live() -> &'static str {
@@ -111,7 +82,7 @@ async fn metrics(registry: Arc<Registry>) -> Response {
 }
 
 /// `registry` as an OpenMetrics answer (500 if it cannot be encoded).
-pub fn encode(registry: &Registry) -> Response {
+pub(crate) fn encode(registry: &Registry) -> Response {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, registry) {
         Ok(()) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], body).into_response(),
@@ -126,7 +97,7 @@ pub fn encode(registry: &Registry) -> Response {
 
 /// What a client of an admin server can make it hold.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Connections served at once; more are closed at once (a probe or a scrape is one each).
     pub max_connections: usize,
     /// A connection that has not sent its request headers by then is closed.
@@ -145,14 +116,9 @@ impl Default for Limits {
     }
 }
 
-/// Binds `addr` for an admin server.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
-}
-
 /// Serves `router` on `listener` (HTTP/1, one request per connection) within `limits` until
 /// `stop` completes. Connections still open then finish within `limits.request_timeout`.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     limits: Limits,
@@ -192,49 +158,13 @@ pub async fn serve(
     }
 }
 
-/// A role's admin server: `/livez`, `/readyz` and `/metrics` on a port of their own.
-pub struct AdminServer(tokio::task::JoinHandle<std::io::Result<()>>);
-
-impl AdminServer {
-    /// Binds `addr` and serves there until `stop` is cancelled. A failure to bind does not
-    /// stop the role: [`AdminServer::join`] reports it.
-    pub fn start(
-        addr: SocketAddr,
-        ready: Readiness,
-        registry: Arc<Registry>,
-        stop: CancellationToken,
-    ) -> AdminServer {
-        AdminServer(tokio::spawn(async move {
-            let listener = bind(addr).await?;
-            info!(%addr, "serving /metrics, /livez and /readyz");
-            serve(
-                listener,
-                router(ready, registry),
-                Limits::default(),
-                stop.cancelled_owned(),
-            )
-            .await;
-            Ok(())
-        }))
-    }
-
-    /// Waits for the server to stop, logging why it failed if it did.
-    pub async fn join(self) {
-        match self.0.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "the metrics server failed"),
-            Err(e) => warn!(error = %e, "the metrics server task failed"),
-        }
-    }
-}
-
 /// A gauge of Unix time in seconds.
-pub type TimestampGauge = Gauge<f64, AtomicU64>;
+pub(crate) type TimestampGauge = Gauge<f64, AtomicU64>;
 
 /// Did the elector's state move from `prev` to `next` by a renewal (or an acquisition)? Each
 /// successful renewal publishes a new validity, so a Leading state whose validity differs from
 /// the previous one is a renewal that succeeded.
-pub fn is_renewal(prev: &LeaderState, next: &LeaderState) -> bool {
+pub(crate) fn is_renewal(prev: &LeaderState, next: &LeaderState) -> bool {
     match (prev, next) {
         (
             LeaderState::Leading {
@@ -257,17 +187,18 @@ pub fn is_renewal(prev: &LeaderState, next: &LeaderState) -> bool {
 /// acquisition or renewal of this process's lease (0 until the first). The alert "a leader
 /// stopped renewing" is `time() - this > lease duration` on a process that still leads.
 #[derive(Clone, Debug, Default)]
-pub struct RenewalGauge(TimestampGauge);
+pub(crate) struct RenewalGauge(TimestampGauge);
 
 impl RenewalGauge {
-    pub fn register(registry: &mut Registry, name: &str) -> RenewalGauge {
+    #[cfg(feature = "operator")]
+    pub(crate) fn register(registry: &mut Registry, name: &str) -> RenewalGauge {
         let g = RenewalGauge::default();
         g.register_in(registry, name);
         g
     }
 
     /// Registers this gauge (also) in `registry`, as `name`.
-    pub fn register_in(&self, registry: &mut Registry, name: &str) {
+    pub(crate) fn register_in(&self, registry: &mut Registry, name: &str) {
         registry.register(
             name,
             "Unix time of this process's latest successful acquisition or renewal of its lease (0: none yet)",
@@ -276,7 +207,7 @@ impl RenewalGauge {
     }
 
     /// Follows an elector's state until its channel closes.
-    pub fn follow(self, mut state: tokio::sync::watch::Receiver<LeaderState>) {
+    pub(crate) fn follow(self, mut state: tokio::sync::watch::Receiver<LeaderState>) {
         tokio::spawn(async move {
             let mut prev = LeaderState::Unknown;
             loop {
@@ -299,7 +230,6 @@ impl RenewalGauge {
 /// Plain-TCP HTTP helpers for the unit tests of this server and of the servers built on it.
 #[cfg(test)]
 pub(crate) mod testing {
-    use std::net::SocketAddr;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -316,7 +246,7 @@ pub(crate) mod testing {
     }
 
     /// GET `path` on a new connection; the whole answer, once the server has closed it.
-    pub(crate) async fn get(addr: SocketAddr, path: &str) -> String {
+    pub(crate) async fn get(addr: std::net::SocketAddr, path: &str) -> String {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
         s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
             .await
@@ -328,13 +258,16 @@ pub(crate) mod testing {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "operator"))]
 mod tests {
     use super::testing::{closed_within, get};
     use super::*;
     use crate::lease::rules::FencingToken;
+    use crate::runtime::admin_port::{bind, router, ReadyFlag};
     use prometheus_client::metrics::counter::Counter;
+    use std::net::SocketAddr;
     use tokio::time::Instant;
+    use tokio_util::sync::CancellationToken;
 
     fn leading(token: i64, until: Instant) -> LeaderState {
         LeaderState::Leading {
