@@ -2,7 +2,7 @@
 //!
 //! Doc comments on these types are user-facing: they become the `kubectl explain` text.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -52,6 +52,16 @@ pub const MODE_ANNOTATION: &str = key!("fencing");
 /// Label the controller moves to the pod that holds a lease (for Services that select the
 /// leader).
 pub const ROLE_LABEL: &str = key!("role");
+/// The value of [`ROLE_LABEL`] on the pod that holds the lease.
+pub const LEADER_ROLE: &str = "leader";
+
+/// The FencedLease a pod campaigns for: its [`LEASE_ANNOTATION`], set at injection.
+pub fn lease_of(pod: &ObjectMeta) -> Option<&str> {
+    pod.annotations
+        .as_ref()?
+        .get(LEASE_ANNOTATION)
+        .map(String::as_str)
+}
 /// Pod annotation naming the container that campaigns, for pods that run `fencedlease
 /// campaign` themselves (default: the injected sidecar's name).
 pub const CAMPAIGN_CONTAINER_ANNOTATION: &str = key!("campaign-container");

@@ -36,9 +36,10 @@ use crate::runtime::admin::RenewalGauge;
 use crate::runtime::admin_port::{AdminServer, ReadyFlag};
 use crate::runtime::Runtime;
 
+use crate::api::{lease_of, LEADER_ROLE};
 use crate::api::{Condition, FencedLease, FIELD_MANAGER, ROLE_LABEL};
 use crate::controller::holder::{holder_death, may_revoke_again, Death, HolderPod};
-use crate::controller::pods::{lease_of, pod_state, PodIndex, LEADER_ROLE};
+use crate::controller::pods::{pod_state, PodIndex};
 use crate::lease::elector::{activity_of, observer_duration, Elector, ElectorConfig, LeaderState};
 use crate::lease::rules::{
     controller_decision, lease_seconds, ControllerAction, FencingToken, Mono, Observation,
@@ -663,7 +664,7 @@ impl<'a> LeaseReconcile<'a> {
         let fresh = match listed.items.first() {
             // The index knew it as a pod of this lease: now it is gone.
             None => HolderPod::Gone,
-            Some(pod) if lease_of(pod) == Some(lease_name.as_str()) => {
+            Some(pod) if lease_of(&pod.metadata) == Some(lease_name.as_str()) => {
                 HolderPod::Present(pod_state(pod))
             }
             Some(_) => HolderPod::NotAPod,

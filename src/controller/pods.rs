@@ -22,11 +22,11 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::runtime::watcher::Event;
 
 use crate::api::SIDECAR_CONTAINER as CONTAINER;
-use crate::api::{CAMPAIGN_CONTAINER_ANNOTATION, LEASE_ANNOTATION, ROLE_LABEL};
+use crate::api::{
+    lease_of, CAMPAIGN_CONTAINER_ANNOTATION, LEADER_ROLE, LEASE_ANNOTATION, ROLE_LABEL,
+};
 use crate::controller::holder::{Campaigner, Finished, HolderPod, PodState};
 
-/// The value of [`ROLE_LABEL`] on the holder's pod.
-pub(crate) const LEADER_ROLE: &str = "leader";
 /// How many deleted pods the index remembers as gone.
 pub(crate) const MAX_TOMBSTONES: usize = 4096;
 
@@ -100,15 +100,6 @@ pub(crate) struct PodIndex {
     gone: Tombstones,
 }
 
-/// The lease a pod campaigns for (its `fencedlease.io/lease` annotation).
-pub(crate) fn lease_of(pod: &Pod) -> Option<&str> {
-    pod.metadata
-        .annotations
-        .as_ref()?
-        .get(LEASE_ANNOTATION)
-        .map(String::as_str)
-}
-
 /// The name of the container that campaigns in `pod`.
 fn campaigning_container(pod: &Pod) -> &str {
     pod.metadata
@@ -179,7 +170,7 @@ fn info_of(pod: &Pod) -> Option<(Key, Option<PodInfo>)> {
         .as_ref()
         .and_then(|l| l.get(ROLE_LABEL))
         .is_some_and(|v| v == LEADER_ROLE);
-    let info = lease_of(pod).map(|lease| PodInfo {
+    let info = lease_of(&pod.metadata).map(|lease| PodInfo {
         lease: lease.to_string(),
         leader,
         state: pod_state(pod),

@@ -5,8 +5,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde::Serialize;
 
-use crate::api::{FencedLease, ROLE_LABEL};
-use crate::controller::pods::{lease_of, LEADER_ROLE};
+use crate::api::{lease_of, FencedLease, LEADER_ROLE, ROLE_LABEL};
 
 /// One lease as `status` shows it (and prints with `-o json`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -79,7 +78,7 @@ pub(super) fn candidates(lease: &FencedLease, pods: &[Pod]) -> Vec<Candidate> {
     let name = lease.name_any();
     let mut out: Vec<Candidate> = pods
         .iter()
-        .filter(|p| p.namespace() == ns && lease_of(p) == Some(name.as_str()))
+        .filter(|p| p.namespace() == ns && lease_of(&p.metadata) == Some(name.as_str()))
         .map(|p| Candidate {
             name: p.name_any(),
             ready: is_ready(p),
