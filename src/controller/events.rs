@@ -1,0 +1,49 @@
+//! Kubernetes Events about a lease: sent once per change, counted by reason.
+
+use kube::runtime::events::{Event, EventType};
+use kube::Resource;
+use tracing::warn;
+
+use super::error::bounded_note;
+use super::metrics::EventLabel;
+use super::reconcile::Context;
+use crate::api::FencedLease;
+
+/// Publishes an Event about a lease change and counts it in `fencedlease_lease_events`.
+pub(super) async fn publish(
+    ctx: &Context,
+    lease: &FencedLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+    event: &'static str,
+) {
+    ctx.metrics
+        .lease_events
+        .get_or_create(&EventLabel { event })
+        .inc();
+    publish_event(ctx, lease, type_, reason, note).await;
+}
+
+/// Publishes an Event on the lease; a failure is logged, never returned.
+pub(super) async fn publish_event(
+    ctx: &Context,
+    lease: &FencedLease,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    // The Recorder folds events with the same (reason, action, object) into one series that
+    // keeps the first note; every change of holder is a distinct fact, so the token goes into
+    // the action.
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(bounded_note(note)),
+        action: format!("{reason}Token{}", lease.token().unwrap_or_default()),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &lease.object_ref(&())).await {
+        warn!(error = %e, "publishing an Event failed");
+    }
+}
