@@ -218,6 +218,11 @@ fn check_presented<'a>(w: &WriteAttempt<'a>) -> Result<(i64, &'a str), Refusal> 
 /// the write arrived, that also means the write's token is at least every token the lease
 /// ever handed out, so no object can be moved back to an older holder's token; tokens that
 /// were never handed out (stored while the namespace was in warn mode) count for nothing.
+///
+/// The rule's second copy is the policy's CEL, charts/fencedlease/templates/fencing-policy.yaml
+/// (policy mode): the same order of checks and the same messages. Change both together;
+/// tests/common/stories.rs plays the same stale-writer stories against each
+/// (tests/webhook.rs, tests/fencing_policy.rs).
 pub fn decide(w: &WriteAttempt<'_>, lease: Option<&LeaseView>) -> Verdict {
     use Refusal::*;
     let (presented, uid) = match check_presented(w) {
