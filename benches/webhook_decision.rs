@@ -2,7 +2,8 @@
 //! - `decide`: the fencing rule alone (allowed, stale, missing token, forged);
 //! - `parse`: reading an AdmissionReview body (a create, an update of a small and of a 64 KiB
 //!   ConfigMap, an unlabelled object that passes);
-//! - `respond`: the verdict as an AdmissionResponse (allowed, refused with its message);
+//! - `respond`: the verdict on a parsed write and its answer (allowed, refused with its message):
+//!   `Judgement::verdict` then `admission::answer`, the calls the webhook makes per write;
 //! - `pipeline`: parse + respond + serializing the answering review, which is what the
 //!   HTTPS server does per request apart from I/O and the lease-cache lookup.
 //!
@@ -12,7 +13,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use fencedlease::api::{LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
-use fencedlease::webhook::admission::{parse, respond, Parsed};
+use fencedlease::webhook::admission::{answer, parse, Judgement, Parsed};
+use fencedlease::webhook::decision::Answer;
 use fencedlease::webhook::fence::{decide, Exemptions, LeaseView, Mode, Stamp, WriteAttempt};
 
 const UID: &str = "0b6f3c2e-8a51-4f0e-9d7a-5c1e2f3a4b5c";
@@ -203,6 +205,12 @@ fn judgement(body: &[u8]) -> Box<fencedlease::webhook::admission::Judgement> {
     }
 }
 
+/// What the webhook does with a parsed protected write and a lease it has read (the decision
+/// in enforce mode: a refusal's namespace mode is a read of its own).
+fn respond(j: &Judgement, lease: Option<&LeaseView>, mode: Mode) -> Answer {
+    answer(j, &j.verdict(lease), mode)
+}
+
 fn bench_respond(c: &mut Criterion) {
     let b = bodies();
     let current = lease(6);
@@ -241,7 +249,7 @@ fn bench_pipeline(c: &mut Criterion) {
                 |body| {
                     let review = match parse(&body, &ex) {
                         Parsed::Judge(j) => {
-                            respond(&j, Some(&current), Mode::Enforce).0.into_review()
+                            respond(&j, Some(&current), Mode::Enforce).into_review()
                         }
                         Parsed::Pass(r, _) => r.into_review(),
                         Parsed::Parent(c) => c.response.into_review(),

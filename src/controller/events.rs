@@ -9,6 +9,34 @@ use super::metrics::EventLabel;
 use super::reconcile::Context;
 use crate::api::FencedLease;
 
+/// A change of a lease that the controller counts, by the `event` label of
+/// `fencedlease_lease_events_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LeaseEvent {
+    /// Someone took the lease (from nobody, or from another holder).
+    Acquired,
+    /// The preferred holder took the lease over (a handover).
+    HandedOver,
+    /// The holder gave the lease up.
+    Released,
+    /// The controller revoked a lease its holder stopped renewing.
+    Revoked,
+    /// The controller revoked a lease whose holder is known dead.
+    RevokedHolderDead,
+}
+
+impl LeaseEvent {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            LeaseEvent::Acquired => "acquired",
+            LeaseEvent::HandedOver => "handover",
+            LeaseEvent::Released => "released",
+            LeaseEvent::Revoked => "revoked",
+            LeaseEvent::RevokedHolderDead => "revoked_holder_dead",
+        }
+    }
+}
+
 /// Publishes an Event about a lease change and counts it in `fencedlease_lease_events`.
 pub(super) async fn publish(
     ctx: &Context,
@@ -16,11 +44,13 @@ pub(super) async fn publish(
     type_: EventType,
     reason: &str,
     note: String,
-    event: &'static str,
+    event: LeaseEvent,
 ) {
     ctx.metrics
         .lease_events
-        .get_or_create(&EventLabel { event })
+        .get_or_create(&EventLabel {
+            event: event.label(),
+        })
         .inc();
     publish_event(ctx, lease, type_, reason, note).await;
 }

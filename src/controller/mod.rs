@@ -217,6 +217,7 @@ mod tests {
     use kube::runtime::controller::Action;
     use tokio::time::Instant;
 
+    use super::events::LeaseEvent;
     use super::{conditions::*, error::*, reconcile::*, term::*};
     use crate::api::FencedLease;
     use crate::controller::holder::Death;
@@ -427,34 +428,34 @@ mod tests {
                 Some("a"),
                 Some("b"),
                 false,
-                "Acquired",
+                ("Acquired", LeaseEvent::Acquired),
                 "b took the lease over from a with token 5",
             ),
             (
                 None,
                 Some("b"),
                 false,
-                "Acquired",
+                ("Acquired", LeaseEvent::Acquired),
                 "b acquired the lease with token 5",
             ),
             (
                 Some("a"),
                 Some("b"),
                 true,
-                "HandedOver",
+                ("HandedOver", LeaseEvent::HandedOver),
                 "b, the preferred holder, took the lease over with token 5",
             ),
             (
                 Some("a"),
                 None,
                 false,
-                "Released",
+                ("Released", LeaseEvent::Released),
                 "a no longer holds the lease; token now 5",
             ),
         ];
         for (prev, holder, handover, reason, note) in table {
-            let (r, n, _) = holder_change(prev, holder, handover, 5);
-            assert_eq!((r, n.as_str()), (reason, note));
+            let (r, n, e) = holder_change(prev, holder, handover, 5);
+            assert_eq!(((r, e), n.as_str()), (reason, note));
         }
     }
 }

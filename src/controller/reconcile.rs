@@ -19,7 +19,7 @@ use super::conditions::{
     desired_conditions, fenced_condition, merge_conditions, same_conditions, NOT_FENCED,
 };
 use super::error::{short, Error};
-use super::events::{publish, publish_event};
+use super::events::{publish, publish_event, LeaseEvent};
 use super::metrics::{ControllerMetrics, ResultLabel};
 use crate::api::{lease_of, LEADER_ROLE};
 use crate::api::{Condition, FencedLease, FIELD_MANAGER, ROLE_LABEL};
@@ -361,7 +361,7 @@ impl<'a> LeaseReconcile<'a> {
                     "{holder} did not renew for {}s: revoked, token now {token}",
                     lease_duration.as_secs()
                 ),
-                "revoked",
+                LeaseEvent::Revoked,
             ),
             Cause::HolderDead(death) => (
                 death.reason(),
@@ -369,7 +369,7 @@ impl<'a> LeaseReconcile<'a> {
                     "{}: revoked without waiting out the lease, token now {token}",
                     death.note(holder)
                 ),
-                "revoked_holder_dead",
+                LeaseEvent::RevokedHolderDead,
             ),
         };
         info!(%note, "revoked a lease");
@@ -519,29 +519,33 @@ pub(super) fn holder_change(
     holder: Option<&str>,
     handover: bool,
     token: i64,
-) -> (&'static str, String, &'static str) {
+) -> (&'static str, String, LeaseEvent) {
     match (prev, holder) {
         (_, Some(h)) if handover => (
             "HandedOver",
             format!("{h}, the preferred holder, took the lease over with token {token}"),
-            "handover",
+            LeaseEvent::HandedOver,
         ),
         (Some(p), Some(h)) => (
             "Acquired",
             format!("{h} took the lease over from {p} with token {token}"),
-            "acquired",
+            LeaseEvent::Acquired,
         ),
         (None, Some(h)) => (
             "Acquired",
             format!("{h} acquired the lease with token {token}"),
-            "acquired",
+            LeaseEvent::Acquired,
         ),
         (Some(p), None) => (
             "Released",
             format!("{p} no longer holds the lease; token now {token}"),
-            "released",
+            LeaseEvent::Released,
         ),
-        (None, None) => ("Released", "the lease is free".to_string(), "released"),
+        (None, None) => (
+            "Released",
+            "the lease is free".to_string(),
+            LeaseEvent::Released,
+        ),
     }
 }
 

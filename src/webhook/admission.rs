@@ -12,6 +12,7 @@ use crate::api::{
     TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
 use crate::stamp::{REFUSAL_CODE, REFUSAL_REASON};
+use crate::webhook::decision::{Answer, Denial, Outcome};
 use crate::webhook::fence::{
     decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt,
 };
@@ -109,6 +110,11 @@ pub struct Judgement {
 }
 
 impl Judgement {
+    /// The fencing rule's verdict on this write, given `lease` (None: it does not exist).
+    pub fn verdict(&self, lease: Option<&LeaseView>) -> Verdict {
+        decide(&self.attempt(), lease)
+    }
+
     pub(super) fn attempt(&self) -> WriteAttempt<'_> {
         WriteAttempt {
             lease_name: &self.lease_name,
@@ -142,10 +148,10 @@ impl Via {
     }
 
     /// The metric label of a refusal.
-    pub(super) fn denied_label(self) -> &'static str {
+    pub(super) fn denial(self) -> Denial {
         match self {
-            Via::Scale => "denied_scale",
-            Via::Binding => "denied_binding",
+            Via::Scale => Denial::Scale,
+            Via::Binding => Denial::Binding,
         }
     }
 
@@ -600,18 +606,6 @@ fn parse_delete(req: RequestIn, response: AdmissionResponse, writer_exempt: bool
     }))
 }
 
-/// The verdict as an AdmissionResponse, with the metric label of the outcome.
-pub fn respond(
-    j: &Judgement,
-    lease: Option<&LeaseView>,
-    mode: Mode,
-) -> (AdmissionResponse, &'static str) {
-    match decide(&j.attempt(), lease) {
-        Verdict::Allow => (j.response.clone(), "allowed"),
-        Verdict::Refuse(r) => refuse(j, &r, mode),
-    }
-}
-
 /// The refusal's message, with what a subresource write adds to it.
 fn message(j: &Judgement, r: &Refusal) -> String {
     let mut msg = r.message(&j.attempt());
@@ -626,8 +620,13 @@ fn message(j: &Judgement, r: &Refusal) -> String {
     }
 }
 
-/// Refuses (or, where the namespace says warn, allows with a warning).
-pub(super) fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionResponse, &'static str) {
+/// The answer to a protected write: allowed, or refused (allowed with a warning where the
+/// namespace says warn). `mode` matters only to a refusal, so the caller may read it then.
+pub fn answer(j: &Judgement, verdict: &Verdict, mode: Mode) -> Answer {
+    let r = match verdict {
+        Verdict::Allow => return Answer::new(j.response.clone(), Outcome::Allowed),
+        Verdict::Refuse(r) => r,
+    };
     let msg = message(j, r);
     let mut resp = j.response.clone();
     match mode {
@@ -635,22 +634,18 @@ pub(super) fn refuse(j: &Judgement, r: &Refusal, mode: Mode) -> (AdmissionRespon
             resp.warnings = Some(vec![format!(
                 "{msg} (allowed: the namespace is annotated {MODE_ANNOTATION}=warn)"
             )]);
-            (resp, "warned")
+            Answer::new(resp, Outcome::Warned)
         }
         Mode::Enforce => {
             resp.allowed = false;
             resp.result = Status::failure(&msg, REFUSAL_REASON).with_code(REFUSAL_CODE);
-            (resp, r.metric_label())
+            Answer::new(resp, Outcome::Denied(r.denial()))
         }
     }
 }
 
 /// Refuses because the lease (or the scaled object) could not be read to decide (fail closed).
-pub(super) fn unconfirmed(
-    response: &AdmissionResponse,
-    what: &str,
-    detail: &str,
-) -> (AdmissionResponse, &'static str) {
+pub(super) fn unconfirmed(response: &AdmissionResponse, what: &str, detail: &str) -> Answer {
     let mut resp = response.clone();
     resp.allowed = false;
     resp.result = Status::failure(
@@ -658,13 +653,23 @@ pub(super) fn unconfirmed(
         "ServiceUnavailable",
     )
     .with_code(503);
-    (resp, "error")
+    Answer::new(resp, Outcome::Unconfirmed)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The production path: the verdict on `lease`, answered in `mode`; with the outcome's label.
+    fn respond(
+        j: &Judgement,
+        lease: Option<&LeaseView>,
+        mode: Mode,
+    ) -> (AdmissionResponse, &'static str) {
+        let a = answer(j, &j.verdict(lease), mode);
+        (a.response, a.outcome.label())
+    }
 
     fn review_as(
         op: &str,

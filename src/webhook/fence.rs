@@ -6,6 +6,7 @@ use crate::api::{
     WRITE_ID_ANNOTATION,
 };
 use crate::stamp::{parse_token, TokenError};
+use crate::webhook::decision::Denial;
 
 /// What the webhook knows of the lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -97,16 +98,16 @@ pub enum Refusal {
 
 impl Refusal {
     /// A bounded label for metrics.
-    pub(super) fn metric_label(&self) -> &'static str {
+    pub(super) fn denial(&self) -> Denial {
         match self {
-            Refusal::MissingToken | Refusal::MissingLeaseUid => "denied_missing",
-            Refusal::MalformedToken(_) => "denied_malformed",
-            Refusal::NotPresented => "denied_not_presented",
-            Refusal::DeleteNotAnnounced => "denied_unannounced_delete",
-            Refusal::NoLease => "denied_no_lease",
-            Refusal::LeaseFree { .. } => "denied_free",
-            Refusal::OtherLeaseIncarnation { .. } | Refusal::Stale { .. } => "denied_stale",
-            Refusal::Future { .. } => "denied_future",
+            Refusal::MissingToken | Refusal::MissingLeaseUid => Denial::Missing,
+            Refusal::MalformedToken(_) => Denial::Malformed,
+            Refusal::NotPresented => Denial::NotPresented,
+            Refusal::DeleteNotAnnounced => Denial::UnannouncedDelete,
+            Refusal::NoLease => Denial::NoLease,
+            Refusal::LeaseFree { .. } => Denial::Free,
+            Refusal::OtherLeaseIncarnation { .. } | Refusal::Stale { .. } => Denial::Stale,
+            Refusal::Future { .. } => Denial::Future,
         }
     }
 

@@ -12,6 +12,7 @@
 
 pub mod admission;
 mod coalesce;
+pub mod decision;
 pub mod fence;
 pub mod inject;
 pub mod server;
@@ -32,7 +33,7 @@ use axum::Router;
 use base64::Engine as _;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::core::admission::{AdmissionResponse, AdmissionReview};
+use kube::core::admission::AdmissionReview;
 use kube::core::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -47,11 +48,10 @@ use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
 use crate::runtime::tls::{self, CertFiles, ReloadingCert};
-use crate::webhook::fence::{
-    decide, Exemptions, LeaseView, Mode, Refusal, Verdict, DEFAULT_EXEMPT_USERS,
-};
+use crate::webhook::fence::{Exemptions, LeaseView, Mode, Verdict, DEFAULT_EXEMPT_USERS};
 use admission::{AutoscalerCheck, Judgement, ParentCheck, Parsed, ScaleTarget};
 use coalesce::Coalescer;
+use decision::{Answer, Outcome};
 
 /// How long a read of a lease (or of a scaled object, or a namespace) may take before the
 /// webhook refuses the write (fail closed).
@@ -477,15 +477,14 @@ async fn timed_read<T>(
 impl Shared {
     /// Decides one protected write. The cache may refuse a token already below a generation
     /// the lease reached; everything else, every Allow above all, is decided on a fresh read.
-    async fn judge(&self, j: &Judgement) -> (AdmissionResponse, &'static str) {
+    async fn judge(&self, j: &Judgement) -> Answer {
         let began = Instant::now();
         let key = ObjectRef::<FencedLease>::new(&j.lease_name).within(&j.namespace);
         let cached = self.store.get(&key).and_then(|l| view(&l));
-        let w = j.attempt();
-        let from_cache = decide(&w, cached.as_ref());
+        let from_cache = j.verdict(cached.as_ref());
         if let Verdict::Refuse(r) = &from_cache {
             if !r.may_be_cache_lag() {
-                return self.refuse(j, r, began).await;
+                return self.refuse(j, from_cache.clone(), began).await;
             }
         }
         let key = (j.namespace.clone(), j.lease_name.clone());
@@ -496,14 +495,14 @@ impl Shared {
                 return admission::unconfirmed(&j.response, &what, &detail);
             }
         };
-        match decide(&w, fresh.as_ref()) {
-            Verdict::Allow => (j.response.clone(), "allowed"),
+        match j.verdict(fresh.as_ref()) {
+            Verdict::Allow => admission::answer(j, &Verdict::Allow, Mode::Enforce),
             Verdict::Refuse(r) => {
                 if from_cache == Verdict::Allow {
                     self.metrics.cache_lag_caught.inc();
                     info!(lease = %j.lease_name, ns = %j.namespace, "the lease cache lagged: it would have allowed a write the fresh read refuses");
                 }
-                self.refuse(j, &r, began).await
+                self.refuse(j, Verdict::Refuse(r), began).await
             }
         }
     }
@@ -511,12 +510,7 @@ impl Shared {
     /// Refuses, unless the namespace is annotated for warn mode (read fresh, coalesced). A
     /// namespace that cannot be read within what is left of `DECISION_BUDGET` since `began`
     /// enforces (fail closed).
-    async fn refuse(
-        &self,
-        j: &Judgement,
-        r: &Refusal,
-        began: Instant,
-    ) -> (AdmissionResponse, &'static str) {
+    async fn refuse(&self, j: &Judgement, refusal: Verdict, began: Instant) -> Answer {
         let left = time_left(DECISION_BUDGET, began.elapsed());
         let mode = match tokio::time::timeout(left, self.fresh.modes.read(j.namespace.clone()))
             .await
@@ -531,11 +525,11 @@ impl Shared {
                 Mode::Enforce
             }
         };
-        admission::refuse(j, r, mode)
+        admission::answer(j, &refusal, mode)
     }
 
     /// A /scale write or a binding: refused when the object it acts on carries the lease label.
-    async fn scale(&self, c: &ParentCheck) -> (AdmissionResponse, &'static str) {
+    async fn scale(&self, c: &ParentCheck) -> Answer {
         self.metrics.fresh_reads.inc();
         let api_version = if c.group.is_empty() {
             c.version.clone()
@@ -557,8 +551,8 @@ impl Shared {
                 .and_then(|o| o.metadata.labels.as_ref())
                 .and_then(|l| l.get(crate::api::LEASE_LABEL).filter(|v| !v.is_empty()))
             {
-                Some(lease) => (c.refuse(lease), c.via.denied_label()),
-                None => (c.response.clone(), "passed"),
+                Some(lease) => Answer::new(c.refuse(lease), Outcome::Denied(c.via.denial())),
+                None => Answer::new(c.response.clone(), Outcome::Passed),
             },
             Err(detail) => {
                 let what = format!("{} {}/{}", c.resource, c.namespace, c.name);
@@ -607,13 +601,13 @@ impl Shared {
 
     /// A write to an autoscaler: judged by the lease of each target that is protected (the
     /// autoscaler's exempt /scale writes would act for whoever may edit it); else passed.
-    async fn autoscaler(&self, c: &mut AutoscalerCheck) -> (AdmissionResponse, &'static str) {
+    async fn autoscaler(&self, c: &mut AutoscalerCheck) -> Answer {
         let ns = c.judgement.namespace.clone();
         if let Some(own) = c.own_lease.clone() {
             c.judgement.lease_name = own;
-            let (resp, label) = self.judge(&c.judgement).await;
-            if !resp.allowed {
-                return (resp, label);
+            let answer = self.judge(&c.judgement).await;
+            if !answer.allowed() {
+                return answer;
             }
         }
         for t in &c.targets {
@@ -627,12 +621,12 @@ impl Shared {
             };
             c.judgement.lease_name = lease;
             c.judgement.acts_on = Some(format!("{} {ns}/{}", t.kind, t.name));
-            let (resp, label) = self.judge(&c.judgement).await;
-            if !resp.allowed {
-                return (resp, label);
+            let answer = self.judge(&c.judgement).await;
+            if !answer.allowed() {
+                return answer;
             }
         }
-        (c.judgement.response.clone(), "passed")
+        Answer::new(c.judgement.response.clone(), Outcome::Passed)
     }
 
     /// Reads from the API server every `API_PROBE_INTERVAL`, so that readiness follows
@@ -673,57 +667,65 @@ fn review_response(review: &impl serde::Serialize) -> Response {
 
 impl Shared {
     /// Parses and decides one review body at /validate.
-    async fn validate_body(&self, bytes: &[u8]) -> (AdmissionReview<DynamicObject>, &'static str) {
-        match admission::parse(bytes, &self.exemptions) {
-            Parsed::Invalid(review) => (*review, "invalid"),
+    async fn validate_body(&self, bytes: &[u8]) -> (AdmissionReview<DynamicObject>, Outcome) {
+        let answer = match admission::parse(bytes, &self.exemptions) {
+            Parsed::Invalid(review) => return (*review, Outcome::Invalid),
             Parsed::Pass(resp, why) => {
                 debug!(why, "not a protected write");
-                let label = if why == "exempt" { "exempt" } else { "passed" };
-                (resp.into_review(), label)
+                let outcome = if why == "exempt" {
+                    Outcome::Exempt
+                } else {
+                    Outcome::Passed
+                };
+                Answer::new(*resp, outcome)
             }
             Parsed::Parent(c) => {
-                let (resp, label) = self.scale(&c).await;
-                if !resp.allowed {
-                    info!(ns = %c.namespace, name = %c.name, resource = %c.resource, via = c.via.path(), result = label, "refused a write through a subresource");
+                let answer = self.scale(&c).await;
+                if !answer.allowed() {
+                    info!(ns = %c.namespace, name = %c.name, resource = %c.resource, via = c.via.path(), result = answer.outcome.label(), "refused a write through a subresource");
                 }
-                (resp.into_review(), label)
+                answer
             }
             Parsed::Autoscaler(mut c) => {
-                let (resp, label) = self.autoscaler(&mut c).await;
-                if !resp.allowed {
-                    info!(ns = %c.judgement.namespace, lease = %c.judgement.lease_name, result = label, "refused a write to an autoscaler of a protected object");
+                let answer = self.autoscaler(&mut c).await;
+                if !answer.allowed() {
+                    info!(ns = %c.judgement.namespace, lease = %c.judgement.lease_name, result = answer.outcome.label(), "refused a write to an autoscaler of a protected object");
                 }
-                (resp.into_review(), label)
+                answer
             }
             Parsed::Judge(j) => {
-                let (resp, label) = self.judge(&j).await;
-                if !resp.allowed {
+                let answer = self.judge(&j).await;
+                if !answer.allowed() {
                     info!(
-                        lease = %j.lease_name, ns = %j.namespace, result = label,
+                        lease = %j.lease_name, ns = %j.namespace, result = answer.outcome.label(),
                         token = j.stamp.token.as_deref().unwrap_or(""), "refused a write"
                     );
                 }
-                (resp.into_review(), label)
+                answer
             }
-        }
+        };
+        let outcome = answer.outcome;
+        (answer.into_review(), outcome)
     }
 }
 
 async fn validate(State(s): State<Arc<Shared>>, body: Body) -> Response {
     let started = Instant::now();
     // The guard keeps the body's bytes counted in the shared budget until the answer is sent.
-    let (answer, label) = match server::read_body_bounded(body, &s.budget).await {
-        Err(e) => (unread_body_response(&e), "invalid"),
+    let (answer, outcome) = match server::read_body_bounded(body, &s.budget).await {
+        Err(e) => (unread_body_response(&e), Outcome::Invalid),
         Ok((bytes, guard)) => {
-            let (review, label) = s.validate_body(&bytes).await;
+            let (review, outcome) = s.validate_body(&bytes).await;
             drop(bytes);
-            (guarded_response(&review, guard, &s.budget).await, label)
+            (guarded_response(&review, guard, &s.budget).await, outcome)
         }
     };
     s.metrics.seconds.observe(started.elapsed().as_secs_f64());
     s.metrics
         .admissions
-        .get_or_create(&ResultLabel { result: label })
+        .get_or_create(&ResultLabel {
+            result: outcome.label(),
+        })
         .inc();
     answer
 }
