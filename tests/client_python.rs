@@ -5,7 +5,7 @@
 //! the lease from the API server, and runs the Python integration module
 //! (`clients/python/integration/test_sidecar.py`) with `python3 -m unittest`, passing it the
 //! sidecars' URLs and token dirs, the lease's generation and UID, and the annotation keys of
-//! `src/fencing.rs`. When the Python side asks (a file `kill` in the sync dir naming a
+//! `elector/src/api.rs`. When the Python side asks (a file `kill` in the sync dir naming a
 //! sidecar), this side SIGKILLs that sidecar. The test passes when Python exits 0 and the
 //! token Python saw last is the lease's generation on the API server.
 

@@ -4,7 +4,7 @@
 //!
 //! The webhook's stories play here unchanged (`tests/common/stories.rs`): the same writes get
 //! the same verdicts, messages and status (403 Forbidden). Then what differs: the
-//! writes policy mode does not check or does not soften (README, "Policy mode").
+//! writes policy mode does not check or does not soften (the book, docs/src/policy-mode.md).
 //!
 //! Needs Kubernetes 1.30 or later (ValidatingAdmissionPolicy v1); on an older server every test
 //! here fails, saying so. hack/test.sh runs it on the current release only.

@@ -12,10 +12,11 @@ use crate::api::{
     TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
 };
 use crate::stamp::{REFUSAL_CODE, REFUSAL_REASON};
-use crate::webhook::decision::{Answer, Denial, Outcome};
+use crate::webhook::decision::{Answer, Outcome};
 use crate::webhook::fence::{
     decide, Exemptions, LeaseView, Mode, Refusal, Stamp, Verdict, WriteAttempt,
 };
+use crate::webhook::subresources::{self, Judged, Via};
 
 /// The largest request body read; an AdmissionReview for an update carries two objects of at
 /// most 1.5 MiB each (etcd's default request limit), plus envelope.
@@ -122,51 +123,6 @@ impl Judgement {
             stamp: self.stamp.borrow(),
             previous: self.previous.as_ref().map(OwnedStamp::borrow),
             deleting: self.deleting,
-        }
-    }
-}
-
-/// The writes that act on an object through another object that carries no labels or
-/// annotations of its own, so no token can be presented with them: the webhook reads the object
-/// they act on (the parent) and refuses if it is protected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
-    /// An update of `/scale` (a Scale object) of any fenced type: changes the replicas.
-    Scale,
-    /// A pod's binding to a node (`pods/binding`, or a Binding created through the legacy
-    /// `bindings` resource): only the scheduler, exempt, binds a protected pod.
-    Binding,
-}
-
-impl Via {
-    /// The subresource as the message names it.
-    pub(super) fn path(self) -> &'static str {
-        match self {
-            Via::Scale => "scale",
-            Via::Binding => "binding",
-        }
-    }
-
-    /// The metric label of a refusal.
-    pub(super) fn denial(self) -> Denial {
-        match self {
-            Via::Scale => Denial::Scale,
-            Via::Binding => Denial::Binding,
-        }
-    }
-
-    /// Which write, if any, acts on a parent: `resource` and `sub` as the review names them.
-    pub(super) fn of(
-        group: &str,
-        resource: &str,
-        sub: Option<&str>,
-        op: &Operation,
-    ) -> Option<Via> {
-        match (group, resource, sub, op) {
-            (_, _, Some("scale"), Operation::Update) => Some(Via::Scale),
-            ("", "pods", Some("binding"), Operation::Create) => Some(Via::Binding),
-            ("", "bindings", None, Operation::Create) => Some(Via::Binding),
-            _ => None,
         }
     }
 }
@@ -382,7 +338,7 @@ pub fn parse(body: &[u8], exempt: &Exemptions) -> Parsed {
     let sub = req.sub_resource.clone().filter(|s| !s.is_empty());
     let writer_exempt = exempt.covers(&req.user_info.username, &req.user_info.groups)
         || kubelet_pod_status(&req, sub.as_deref());
-    if let Some(via) = Via::of(
+    if let Some(Judged::ByItsParent(via)) = subresources::route(
         &req.resource.group,
         &req.resource.resource,
         sub.as_deref(),
@@ -1001,31 +957,6 @@ mod tests {
         let hpa = "system:serviceaccount:kube-system:gc";
         let b = review_as("UPDATE", Some("scale"), hpa, scale.clone(), Some(scale));
         assert!(matches!(parsed(&b), Parsed::Pass(_, "exempt")));
-    }
-
-    #[test]
-    fn the_writes_that_act_on_a_parent_are_named_by_one_table() {
-        let (c, u) = (Operation::Create, Operation::Update);
-        #[rustfmt::skip]
-        let table = [
-            ("apps", "deployments", Some("scale"), &u, Some(Via::Scale)),
-            ("", "replicationcontrollers", Some("scale"), &u, Some(Via::Scale)),
-            ("", "pods", Some("binding"), &c, Some(Via::Binding)),
-            ("", "bindings", None, &c, Some(Via::Binding)),
-            // A pod's other subresources carry the pod itself: judged like the pod.
-            ("", "pods", Some("ephemeralcontainers"), &u, None),
-            ("", "pods", Some("resize"), &u, None),
-            ("", "pods", Some("status"), &u, None),
-            ("", "pods", None, &c, None),
-            ("example.com", "bindings", None, &c, None),
-        ];
-        for (group, resource, sub, op, want) in table {
-            assert_eq!(
-                Via::of(group, resource, sub, op),
-                want,
-                "{group}/{resource} {sub:?}"
-            );
-        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod decision;
 pub mod fence;
 pub mod inject;
 pub mod server;
+pub mod subresources;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

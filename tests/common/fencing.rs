@@ -287,7 +287,7 @@ impl Protected {
     /// Waits until the guard sees `h` as the current token of lease "inv": a server-side dry
     /// run of a create stamped with it is allowed. The webhook reads the lease afresh, so at
     /// once; the policy judges on the API server's informer's view of the lease, which follows
-    /// the lease a little behind (README, "Policy mode").
+    /// the lease a little behind (the book, docs/src/policy-mode.md).
     pub async fn sees(&self, h: &Held) {
         let cms = self.cms.clone();
         let what = format!("the guard to see token {} of lease inv", h.token);

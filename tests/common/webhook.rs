@@ -214,38 +214,22 @@ impl Webhook {
     }
 
     async fn register(&self, client: &Client, ns: &str, bundle: &str, fence_pods: bool) {
-        // As the chart does with fencing.deletes (its default): deletes are judged too.
-        let mut judged = serde_json::json!([
-            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
-             "resources": ["configmaps", "configmaps/status"], "scope": "Namespaced"},
-            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
-             "resources": ["deployments", "deployments/status", "statefulsets", "statefulsets/status"],
-             "scope": "Namespaced"},
-            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
-             "resources": ["widgets", "widgets/status"], "scope": "Namespaced"}
-        ]);
-        let mut parents = serde_json::json!([
-            {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["UPDATE"],
-             "resources": ["deployments/scale", "statefulsets/scale"], "scope": "Namespaced"},
-            {"apiGroups": [WIDGET_GROUP], "apiVersions": ["v1"], "operations": ["UPDATE"],
-             "resources": ["widgets/scale"], "scope": "Namespaced"},
-            // As the chart does: an autoscaler's writes, judged by its target's lease.
-            {"apiGroups": ["autoscaling"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
-             "resources": ["horizontalpodautoscalers"], "scope": "Namespaced"}
-        ]);
-        // The chart's rules for pods (fencedlease.judgedSubresources, and the bindings).
+        // As the chart does: the fenced types, each with the subresources of the one table
+        // (`fencedlease::webhook::subresources::TABLE`); with fencing.deletes (its default),
+        // deletes are judged too.
+        let mut fenced = vec![
+            ("", vec!["configmaps"]),
+            ("apps", vec!["deployments", "statefulsets"]),
+            (WIDGET_GROUP, vec!["widgets"]),
+        ];
         if fence_pods {
-            judged.as_array_mut().expect("rules").push(
-                serde_json::json!({"apiGroups": [""], "apiVersions": ["v1"],
-                "operations": ["CREATE", "UPDATE", "DELETE"], "scope": "Namespaced",
-                "resources": ["pods", "pods/status", "pods/ephemeralcontainers", "pods/resize"]}),
-            );
-            parents.as_array_mut().expect("rules").push(
-                serde_json::json!({"apiGroups": [""], "apiVersions": ["v1"],
-                "operations": ["CREATE"], "scope": "Namespaced",
-                "resources": ["pods/binding", "bindings"]}),
-            );
+            fenced.push(("", vec!["pods"]));
         }
+        let (judged, mut parents) = table_rules(&fenced);
+        // As the chart does: an autoscaler's writes, judged by its target's lease.
+        parents.push(serde_json::json!(
+            {"apiGroups": ["autoscaling"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+             "resources": ["horizontalpodautoscalers"], "scope": "Namespaced"}));
         let cfg: ValidatingWebhookConfiguration = serde_json::from_value(serde_json::json!({
             "metadata": {"name": self.config_name},
             "webhooks": [{
@@ -381,4 +365,37 @@ pub fn ensure_widget_crd() {
         ]);
         assert!(ok, "the widget CRD did not become Established: {err}");
     });
+}
+
+/// The webhook rules for the fenced `(group, resources)`, from the table of judged subresources:
+/// (the rules of the webhook that selects by label, the rules of the one that reads parents).
+pub fn table_rules(
+    fenced: &[(&str, Vec<&str>)],
+) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
+    use fencedlease::webhook::subresources::{Judged, TABLE};
+    let (mut judged, mut parents) = (vec![], vec![]);
+    for (group, resources) in fenced {
+        let mut like: Vec<String> = resources.iter().map(|r| r.to_string()).collect();
+        let mut by_op: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
+        for r in resources {
+            for row in TABLE {
+                let Some(rule) = row.rule_for(group, r) else {
+                    continue;
+                };
+                match row.judged {
+                    Judged::LikeTheObject => like.push(rule),
+                    Judged::ByItsParent(_) => by_op.entry(row.operation).or_default().push(rule),
+                }
+            }
+        }
+        judged.push(serde_json::json!({"apiGroups": [group], "apiVersions": ["*"],
+            "operations": ["CREATE", "UPDATE", "DELETE"], "resources": like, "scope": "Namespaced"}));
+        for (op, rules) in by_op {
+            parents.push(
+                serde_json::json!({"apiGroups": [group], "apiVersions": ["*"],
+                "operations": [op], "resources": rules, "scope": "Namespaced"}),
+            );
+        }
+    }
+    (judged, parents)
 }

@@ -124,9 +124,11 @@ it keeps. A DNS label (no dots): the controller refuses other names. */}}
 {{- /*
 The subresources of one fencing.resources entry that carry the object itself, judged like it:
 /status, and for pods /ephemeralcontainers and /resize (a pod's own metadata comes with them).
-The one table of protected subresources: these, and those judged by reading the object they act
-on (webhook's second configuration: /scale, and a pod's binding). src/webhook/admission.rs `Via`
-names the second kind; the webhook's and the policy's rules both render from here.
+The chart's side of the one table of judged subresources, src/webhook/subresources.rs `TABLE`:
+these rows (judged like the object), while the webhook's second configuration in webhooks.yaml
+routes the rows judged by reading the object they act on (/scale, a pod's binding). The
+webhook's and the policy's rules both render from here; tests/chart_subresources.rs checks
+both against the table.
 */ -}}
 {{- define "fencedlease.judgedSubresources" -}}
 {{- $subs := list (printf "%s/status" .resource) }}
