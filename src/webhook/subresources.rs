@@ -166,7 +166,13 @@ mod tests {
         let like = Some(Judged::LikeTheObject);
         let scale = Some(Judged::ByItsParent(Via::Scale));
         let binding = Some(Judged::ByItsParent(Via::Binding));
-        type Row<'a> = (&'a str, &'a str, Option<&'a str>, &'a Operation, Option<Judged>);
+        type Row<'a> = (
+            &'a str,
+            &'a str,
+            Option<&'a str>,
+            &'a Operation,
+            Option<Judged>,
+        );
         let table: &[Row] = &[
             ("apps", "deployments", Some("scale"), &u, scale),
             ("", "replicationcontrollers", Some("scale"), &u, scale),
