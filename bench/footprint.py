@@ -13,7 +13,7 @@
    part 2, for that binary (the sidecar's build, `--no-default-features`: the workload-side
    commands alone) on a second FencedLease, then with `--keep-startup-memory` on a third (every
    sidecar otherwise gives back, 10 s after its start, the memory only start-up used:
-   src/memtrim.rs), and both binaries' sizes. The webhook runs the
+   src/sidecar/memtrim.rs), and both binaries' sizes. The webhook runs the
    default binary throughout, so the default sidecars' PSS shares its file pages with one more
    process than the build's does; RSS is unaffected.
 2. The API proxy's added latency. The leader sidecar runs with `--proxy-listen`; `--writes`
@@ -184,7 +184,7 @@ def setup(kube: Kube, ns: str, lease: str, cm: str, lease_s: int, workdir: Path)
     return wh
 
 
-# The sidecar's build as it runs (it gives back start-up's memory, src/memtrim.rs), and with
+# The sidecar's build as it runs (it gives back start-up's memory, src/sidecar/memtrim.rs), and with
 # --keep-startup-memory: what that gives back.
 BUILD_PARTS = (("idle_sidecar_build", "sidecar-build", ()),
                ("idle_sidecar_build_kept", "sidecar-build-kept", ("--keep-startup-memory",)))

@@ -56,7 +56,7 @@ POLICIES = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
 
 
 def policy_hash(policy: str) -> str:
-    """src/policy.rs policy_hash: FNV-1a, 32 bits, hex."""
+    """src/controller/policy.rs policy_hash: FNV-1a, 32 bits, hex."""
     h = 0x811C9DC5
     for b in policy.encode():
         h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF

@@ -51,6 +51,8 @@ FL_IMAGE_PROFILE=debug FL_IMAGE_ROLE=sidecar hack/image.sh
 
 log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
+log "the book (docs/): hack/book.sh"
+hack/book.sh
 # The workspace: the root package and the elector library (elector/).
 log "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings

@@ -16,8 +16,8 @@ import (
 	"sync/atomic"
 )
 
-// The annotations every write to a protected object carries (README, "Protect what the leader
-// writes"; the webhook's src/fencing.rs).
+// The annotations every write to a protected object carries (the book, docs/src/using-it.md,
+// "Protect what the leader writes"; elector/src/api.rs defines them).
 const (
 	// LeaseLabel is the label naming the FencedLease (same namespace) that guards an object.
 	LeaseLabel = "fencedlease.io/lease"
@@ -114,7 +114,7 @@ const (
 	refuseUnknown                 // a body the Transport cannot stamp
 )
 
-// kindOf decides by method and content type, as the sidecar's proxy does (src/proxy.rs).
+// kindOf decides by method and content type, as the sidecar's proxy does (src/sidecar/proxy.rs).
 func kindOf(method, contentType string) (bodyKind, string) {
 	ct := contentType
 	if ct != "" {

@@ -1,7 +1,7 @@
 //! The fencing stories, told once and played under either guard: the webhook
 //! (`tests/fencing_presented.rs`, `tests/fencing_server_side_apply.rs`) and the fencing policy
 //! (`tests/fencing_policy.rs`). The same writes get the same verdicts, messages and status code
-//! (403 Forbidden from either: `fencing::REFUSAL_CODE`), and in policy mode a story
+//! (403 Forbidden from either: `stamp::REFUSAL_CODE`), and in policy mode a story
 //! waits after moving a lease until the API server's view of it has caught up (`sees`).
 
 use k8s_openapi::api::core::v1::ConfigMap;

@@ -125,7 +125,7 @@ class Story(unittest.TestCase):
         self.assertEqual(
             {"token": TOKEN_ANNOTATION, "leaseUid": LEASE_UID_ANNOTATION, "writeId": WRITE_ID_ANNOTATION,
              "leaseLabel": LEASE_LABEL},
-            rust, "the Python constants differ from src/fencing.rs",
+            rust, "the Python constants differ from elector/src/api.rs",
         )
         want = Token(int(ENV["FL_PY_EXPECT_TOKEN"]), ENV["FL_PY_EXPECT_LEASE_UID"])
         self.assertEqual(self.a.token(), want, "token() differs from the lease's generation and UID")
