@@ -6,12 +6,16 @@ pub mod certs;
 mod conditions;
 mod error;
 mod events;
+#[cfg(test)]
+mod fixtures;
 pub mod holder;
 mod metrics;
 mod owners;
 pub(crate) mod pods;
 pub mod policy;
 mod reconcile;
+#[cfg(test)]
+mod sequences;
 mod streams;
 mod term;
 

@@ -1,0 +1,169 @@
+//! Reconcile sequences against the in-process fake API server (`fixtures.rs`): which requests
+//! one reconcile makes, in which order, with what in them. The real-server tests
+//! (tests/holder_death.rs, tests/controller.rs) show the same behaviour end to end; these pin
+//! the requests and run in milliseconds, without a cluster.
+
+use std::sync::Arc;
+
+use hyper::Method;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::runtime::watcher::Event;
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+
+use super::fixtures::{Script, Step};
+use super::metrics::ControllerMetrics;
+use super::reconcile::{reconcile, Context};
+use crate::api::{FencedLease, FencedLeaseSpec, FencedLeaseStatus, LEASE_ANNOTATION};
+
+const LEASES: &str = "/apis/fencedlease.io/v1alpha1/namespaces/apps/fencedleases";
+
+/// Lease apps/db held by `db-0` at `generation`, renewed just now, at resourceVersion "7".
+fn held(generation: i64) -> FencedLease {
+    let mut spec = FencedLeaseSpec::free();
+    spec.holder_identity = Some("db-0".into());
+    let mut lease = FencedLease::new("db", spec);
+    lease.metadata.namespace = Some("apps".into());
+    lease.metadata.uid = Some("uid-1".into());
+    lease.metadata.generation = Some(generation);
+    lease.metadata.resource_version = Some("7".into());
+    let now = jiff::Timestamp::now();
+    lease.status = Some(FencedLeaseStatus {
+        holder_identity: Some("db-0".into()),
+        token: Some(generation),
+        acquire_time: Some(MicroTime(now)),
+        renew_time: Some(MicroTime(now)),
+        lease_duration_seconds: Some(15),
+        ..FencedLeaseStatus::default()
+    });
+    lease
+}
+
+/// The lease as the API server returns it after the revocation: holder cleared, next token.
+fn revoked(generation: i64) -> Value {
+    let mut lease = held(generation + 1);
+    lease.spec.holder_identity = None;
+    lease.metadata.resource_version = Some("8".into());
+    serde_json::to_value(lease).unwrap_or_default()
+}
+
+fn pod(name: &str, lease: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("apps".into()),
+            uid: Some(format!("{name}-uid")),
+            annotations: Some([(LEASE_ANNOTATION.to_string(), lease.to_string())].into()),
+            ..ObjectMeta::default()
+        },
+        ..Pod::default()
+    }
+}
+
+fn context(script: &Script) -> Arc<Context> {
+    let metrics = ControllerMetrics::register(&mut Registry::default());
+    Arc::new(Context::new(script.client(), metrics, "controller-0"))
+}
+
+fn field<'a>(v: &'a Value, path: &[&str]) -> &'a Value {
+    path.iter().fold(v, |v, k| &v[*k])
+}
+
+#[tokio::test]
+async fn a_holder_whose_pod_is_gone_is_revoked_at_once_then_told() {
+    let script = Script::new(vec![
+        // The index says the pod is gone: a fresh read by name confirms it first.
+        Step::new(
+            Method::GET,
+            "/api/v1/namespaces/apps/pods",
+            200,
+            json!({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": []}),
+        ),
+        // The revocation: the holder cleared, with the precondition of what was read.
+        Step::new(Method::PUT, &format!("{LEASES}/db"), 200, revoked(3)).body(|b| {
+            match (
+                field(b, &["spec", "holderIdentity"]),
+                field(b, &["metadata", "resourceVersion"]),
+            ) {
+                (Value::Null, v) if v == "7" => Ok(()),
+                (h, v) => Err(format!(
+                    "holder {h}, resourceVersion {v}: not a revocation of what was read"
+                )),
+            }
+        }),
+        // Status of the new generation, saying why.
+        Step::new(
+            Method::PATCH,
+            &format!("{LEASES}/db/status"),
+            200,
+            revoked(3),
+        )
+        .body(|b| {
+            let observed = field(b, &["status", "observedGeneration"]);
+            let said = b.to_string().contains("PodGone");
+            (observed == 4 && said)
+                .then_some(())
+                .ok_or_else(|| format!("observedGeneration {observed}, PodGone said: {said}"))
+        }),
+        // The Event, once the status is written.
+        Step::new(
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/apps/events",
+            201,
+            json!({}),
+        )
+        .body(|b| {
+            let reason = field(b, &["reason"]);
+            let note = field(b, &["note"]).as_str().unwrap_or("");
+            (reason == "HolderPodGone" && note.contains("token now 4"))
+                .then_some(())
+                .ok_or_else(|| format!("reason {reason}, note {note:?}"))
+        }),
+    ]);
+    let ctx = context(&script);
+    {
+        let mut index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
+        index.apply(&Event::Init);
+        index.apply(&Event::InitApply(pod("db-0", "db")));
+        index.apply(&Event::InitDone);
+        index.apply(&Event::Delete(pod("db-0", "db")));
+    }
+    let result = reconcile(Arc::new(held(3)), ctx).await;
+    script.finish();
+    assert!(result.is_ok(), "{result:?}");
+}
+
+#[tokio::test]
+async fn a_holder_whose_pod_came_back_under_its_name_is_not_revoked() {
+    // The index saw the pod go, but a pod of that name that is not this lease's exists now:
+    // the fresh read wins, and only the status is written.
+    let other = json!({"kind": "PodList", "apiVersion": "v1", "metadata": {},
+        "items": [serde_json::to_value(pod("db-0", "another-lease")).unwrap_or_default()]});
+    let script = Script::new(vec![
+        Step::new(Method::GET, "/api/v1/namespaces/apps/pods", 200, other),
+        Step::new(
+            Method::PATCH,
+            &format!("{LEASES}/db/status"),
+            200,
+            serde_json::to_value(held(3)).unwrap_or_default(),
+        )
+        .body(|b| {
+            let observed = field(b, &["status", "observedGeneration"]);
+            (observed == 3)
+                .then_some(())
+                .ok_or_else(|| format!("observedGeneration {observed}"))
+        }),
+    ]);
+    let ctx = context(&script);
+    {
+        let mut index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
+        index.apply(&Event::Init);
+        index.apply(&Event::InitApply(pod("db-0", "db")));
+        index.apply(&Event::InitDone);
+        index.apply(&Event::Delete(pod("db-0", "db")));
+    }
+    let result = reconcile(Arc::new(held(3)), ctx).await;
+    script.finish();
+    assert!(result.is_ok(), "{result:?}");
+}
