@@ -24,25 +24,29 @@ use tracing::{info, warn};
 use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
+use crate::runtime::args::{ElectionArgs, Tailor, Tailored};
+
+/// `campaign`'s election flags read FENCEDLEASE_ variables.
+#[derive(Debug, Clone)]
+pub struct CampaignFlags;
+
+impl Tailor for CampaignFlags {
+    fn tailor(cmd: clap::Command) -> clap::Command {
+        cmd.mut_arg("namespace", |a| a.env("FENCEDLEASE_NAMESPACE"))
+            .mut_arg("identity", |a| {
+                a.env("FENCEDLEASE_IDENTITY")
+                    .help("Identity of this candidate (default: hostname and process id)")
+            })
+    }
+}
 
 /// The longest `--grace-seconds` accepted (the longest lease is an hour as well).
 const MAX_GRACE_SECONDS: f64 = 3600.0;
 
 #[derive(Debug, clap::Args)]
 pub struct CampaignArgs {
-    /// Name of the FencedLease to campaign for.
-    #[arg(long)]
-    pub lease: String,
-    /// Namespace of the FencedLease.
-    #[arg(long, env = "FENCEDLEASE_NAMESPACE", default_value = "default")]
-    pub namespace: String,
-    /// Identity of this candidate (default: hostname and process id).
-    #[arg(long, env = "FENCEDLEASE_IDENTITY")]
-    pub identity: Option<String>,
-    /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
-    #[arg(long, default_value_t = crate::api::DEFAULT_LEASE_DURATION_SECONDS,
-          value_parser = crate::runtime::lease_duration_parser())]
-    pub lease_duration: i32,
+    #[command(flatten)]
+    pub election: Tailored<ElectionArgs, CampaignFlags>,
     /// Seconds (0 to 3600) the command gets between SIGTERM and SIGKILL when it must stop.
     /// The command runs in a session of its own, and SIGKILL goes to its whole process tree
     /// (grandchildren that escaped into their own session included) no later than the moment
@@ -303,6 +307,7 @@ enum Ended {
 
 pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
     let identity = args
+        .election
         .identity
         .clone()
         .unwrap_or_else(crate::runtime::identity::default_identity);
@@ -324,8 +329,12 @@ pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::Exit
         None => None,
     };
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) =
-        rt.candidate(&args.namespace, &args.lease, &identity, args.lease_duration)?;
+    let (elector, handle) = rt.candidate(
+        &args.election.namespace,
+        &args.election.lease,
+        &identity,
+        args.election.lease_duration,
+    )?;
     let elector = rt.spawn_elector(elector);
     let log = EventLog {
         file,
@@ -383,8 +392,10 @@ impl Campaign {
         shutdown: CancellationToken,
     ) -> anyhow::Result<Ended> {
         let mut sigchld = signal(SignalKind::child()).context("installing the SIGCHLD handler")?;
-        self.log
-            .write("started", serde_json::json!({"lease": self.args.lease}));
+        self.log.write(
+            "started",
+            serde_json::json!({"lease": self.args.election.lease}),
+        );
         loop {
             let current = state.borrow_and_update().clone();
             let Some(term_at) = self.act(&current).await? else {
@@ -533,8 +544,8 @@ fn spawn_command(
         .args(keeper::keeper_args(watch_fd, &args.command))
         .env("FENCEDLEASE_TOKEN", token.generation.to_string())
         .env("FENCEDLEASE_LEASE_UID", &token.lease_uid)
-        .env("FENCEDLEASE_LEASE", &args.lease)
-        .env("FENCEDLEASE_NAMESPACE", &args.namespace)
+        .env("FENCEDLEASE_LEASE", &args.election.lease)
+        .env("FENCEDLEASE_NAMESPACE", &args.election.namespace)
         .env("FENCEDLEASE_IDENTITY", identity);
     // SAFETY: between fork and exec the closure only calls setsid(2) and fcntl(2), which are
     // async-signal-safe, and allocates nothing.

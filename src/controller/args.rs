@@ -1,16 +1,23 @@
 //! The controller's command-line arguments.
 
-use std::net::SocketAddr;
+use crate::runtime::args::{AdminArgs, Tailor, Tailored};
+
+/// The controller's admin server listens on 9090 unless told otherwise.
+#[derive(Debug, Clone)]
+pub struct ControllerAdmin;
+
+impl Tailor for ControllerAdmin {
+    fn tailor(cmd: clap::Command) -> clap::Command {
+        cmd.mut_arg("metrics_addr", |a| {
+            a.default_value("127.0.0.1:9090").required(false)
+        })
+    }
+}
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
-    /// Address of the /metrics, /livez and /readyz server.
-    #[arg(
-        long,
-        env = "FENCEDLEASE_METRICS_ADDR",
-        default_value = "127.0.0.1:9090"
-    )]
-    pub metrics_addr: SocketAddr,
+    #[command(flatten)]
+    pub admin: Tailored<AdminArgs, ControllerAdmin>,
     /// Namespace of the FencedLease that elects the active controller replica.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub election_namespace: String,

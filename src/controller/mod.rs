@@ -188,7 +188,7 @@ fn start_admin(
         "fencedlease_controller_last_renewal_timestamp_seconds",
     );
     let server = AdminServer::start(
-        args.metrics_addr,
+        args.admin.metrics_addr,
         ready.readiness(),
         Arc::new(registry),
         shutdown.clone(),

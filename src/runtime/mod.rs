@@ -8,6 +8,7 @@
 pub(crate) mod admin;
 #[cfg(feature = "operator")]
 pub(crate) mod admin_port;
+pub mod args;
 pub(crate) mod identity;
 pub mod logging;
 #[cfg(feature = "operator")]

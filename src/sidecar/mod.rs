@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorHandle, LeaderState};
 use crate::probe::{check_health, parse_http_url, HttpUrl};
+use crate::runtime::args::{ElectionArgs, Tailor, Tailored};
 use crate::sidecar::secret::ApiSecret;
 
 /// The default port of the loopback API (`--listen 127.0.0.1:PORT`).
@@ -40,26 +41,34 @@ pub(crate) use crate::api::SIDECAR_PORT as DEFAULT_PORT;
 /// volume there.
 pub(crate) use crate::api::TOKEN_DIR;
 
+/// The sidecar's election flags read the pod's own variables (the downward API's POD_NAMESPACE
+/// and POD_NAME, which the injection sets).
+#[derive(Debug, Clone)]
+pub struct SidecarFlags;
+
+impl Tailor for SidecarFlags {
+    fn tailor(cmd: clap::Command) -> clap::Command {
+        cmd.mut_arg("lease", |a| {
+            a.env("FENCEDLEASE_LEASE")
+                .help("Name of the FencedLease to campaign for (same namespace as the pod)")
+        })
+        .mut_arg("namespace", |a| a.env("POD_NAMESPACE"))
+        .mut_arg("identity", |a| {
+            a.env("POD_NAME")
+                .help("Identity of this candidate: the pod's name")
+        })
+        .mut_arg("lease_duration", |a| a.env("FENCEDLEASE_LEASE_DURATION"))
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct SidecarArgs {
-    /// Name of the FencedLease to campaign for (same namespace as the pod).
-    #[arg(long, env = "FENCEDLEASE_LEASE")]
-    pub lease: String,
-    /// Namespace of the FencedLease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
-    pub namespace: String,
-    /// Identity of this candidate: the pod's name.
-    #[arg(long, env = "POD_NAME")]
-    pub identity: Option<String>,
+    #[command(flatten)]
+    pub election: Tailored<ElectionArgs, SidecarFlags>,
     /// Loopback address of the sidecar API (/v1/status, /v1/token, /v1/watch, /v1/release).
     #[arg(long, env = "FENCEDLEASE_LISTEN",
           default_value_t = SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, DEFAULT_PORT)))]
     pub listen: SocketAddr,
-    /// leaseDurationSeconds to use when the FencedLease does not exist yet and is created.
-    #[arg(long, env = "FENCEDLEASE_LEASE_DURATION",
-          default_value_t = crate::api::DEFAULT_LEASE_DURATION_SECONDS,
-          value_parser = crate::runtime::lease_duration_parser())]
-    pub lease_duration: i32,
     /// Folder for the token files: `token` and `lease-uid` exist only while leading. Any left
     /// by an earlier run are removed first at start-up; if that fails, the sidecar does not start.
     /// Also holds the pod's API secret (`api-secret`) and, with the proxy, its certificate and
@@ -547,12 +556,17 @@ pub(crate) async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitC
     let health_url = check_args(&args)?;
     let secret = Arc::new(ApiSecret::load_or_create(&args.token_dir)?);
     let identity = args
+        .election
         .identity
         .clone()
         .unwrap_or_else(crate::runtime::identity::default_identity);
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) =
-        rt.candidate(&args.namespace, &args.lease, &identity, args.lease_duration)?;
+    let (elector, handle) = rt.candidate(
+        &args.election.namespace,
+        &args.election.lease,
+        &identity,
+        args.election.lease_duration,
+    )?;
     let (shared, gauges) = shared_state(&args, identity, &handle);
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
@@ -619,10 +633,10 @@ fn shared_state(
     identity: String,
     handle: &ElectorHandle,
 ) -> (Arc<Shared>, SidecarGauges) {
-    let (registry, public_registry, gauges) = sidecar_metrics(&args.lease);
+    let (registry, public_registry, gauges) = sidecar_metrics(&args.election.lease);
     let shared = Arc::new(Shared {
-        lease: args.lease.clone(),
-        namespace: args.namespace.clone(),
+        lease: args.election.lease.clone(),
+        namespace: args.election.namespace.clone(),
         identity,
         handle: handle.clone(),
         ready_only_when_leader: args.ready_only_when_leader,
@@ -742,8 +756,8 @@ impl Servers {
         });
         let cfg = crate::sidecar::proxy::ProxyConfig {
             state: shared.handle.state.clone(),
-            lease: args.lease.clone(),
-            namespace: args.namespace.clone(),
+            lease: args.election.lease.clone(),
+            namespace: args.election.namespace.clone(),
             acknowledged: shared.acknowledged.clone(),
             allow_unacknowledged: args.proxy_allow_unacknowledged,
             led_before,
@@ -798,7 +812,7 @@ async fn serve_api(
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    info!(addr = %args.listen, lease = %args.lease, "sidecar API listening");
+    info!(addr = %args.listen, lease = %args.election.lease, "sidecar API listening");
     Ok(tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(stop.cancelled_owned())
@@ -822,7 +836,7 @@ async fn serve_proxy(
         .await
         .with_context(|| format!("binding the proxy on {addr}"))?;
     let addr = l.local_addr().unwrap_or(addr);
-    crate::sidecar::proxy_tls::write_kubeconfig(&args.token_dir, addr, &args.namespace)?;
+    crate::sidecar::proxy_tls::write_kubeconfig(&args.token_dir, addr, &args.election.namespace)?;
     info!(%addr, kubeconfig = %args.token_dir.join(crate::api::PROXY_KUBECONFIG_FILE).display(),
           "Kubernetes API proxy listening (TLS)");
     Ok(tokio::spawn(crate::sidecar::proxy_tls::serve(

@@ -48,6 +48,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::api::{FencedLease, MODE_ANNOTATION};
+use crate::runtime::args::{AdminArgs, Tailor, Tailored};
 use crate::runtime::tls::{self, CertFiles, ReloadingCert};
 use crate::webhook::fence::{Exemptions, LeaseView, Mode, Verdict, DEFAULT_EXEMPT_USERS};
 use admission::{AutoscalerCheck, Judgement, ParentCheck, Parsed, ScaleTarget};
@@ -80,6 +81,18 @@ const API_PROBE_INTERVAL: Duration = Duration::from_secs(2);
 /// share of the milliseconds a write waits.
 const FRESH_READ_BUCKETS: (f64, f64, u16) = (0.000_05, 1.25, 49);
 
+/// The webhook's admin server listens on 9091 unless told otherwise (the controller's on 9090).
+#[derive(Debug, Clone)]
+pub struct WebhookAdmin;
+
+impl Tailor for WebhookAdmin {
+    fn tailor(cmd: clap::Command) -> clap::Command {
+        cmd.mut_arg("metrics_addr", |a| {
+            a.default_value("127.0.0.1:9091").required(false)
+        })
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct WebhookArgs {
     /// Address of the HTTPS admission server (the API server calls /validate here).
@@ -98,13 +111,8 @@ pub struct WebhookArgs {
     /// How often to check the certificate files for changes, in seconds.
     #[arg(long, default_value_t = 2)]
     pub tls_reload_seconds: u64,
-    /// Address of the plain-HTTP /metrics, /livez and /readyz server.
-    #[arg(
-        long,
-        env = "FENCEDLEASE_METRICS_ADDR",
-        default_value = "127.0.0.1:9091"
-    )]
-    pub metrics_addr: SocketAddr,
+    #[command(flatten)]
+    pub admin: Tailored<AdminArgs, WebhookAdmin>,
     /// Image of the injected sidecar (served at /mutate).
     #[arg(
         long,
@@ -855,7 +863,7 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
     let readiness = readiness(&shared);
     let stop = rt.shutdown().clone();
     let admin = crate::runtime::admin_port::AdminServer::start(
-        args.metrics_addr,
+        args.admin.metrics_addr,
         readiness.clone(),
         Arc::new(registry),
         stop.clone(),
