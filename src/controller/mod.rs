@@ -25,12 +25,10 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
-use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::runtime::admin::RenewalGauge;
-use crate::runtime::admin_port::{AdminServer, ReadyFlag};
+use crate::runtime::admin_port::ReadyFlag;
 use crate::runtime::Runtime;
 
 use crate::api::FencedLease;
@@ -117,14 +115,14 @@ pub(crate) async fn run(args: ControllerArgs) -> anyhow::Result<std::process::Ex
         .identity
         .clone()
         .unwrap_or_else(crate::runtime::identity::default_identity);
-    let rt = Runtime::start().await?;
+    let mut rt = Runtime::start().await?;
     let client = rt.client().clone();
     if let Some(policy) = &args.fencing_policy {
         crate::controller::policy::require_policy(&client, policy).await?;
     }
     // The metrics server starts first, before the elector.
     let ready = ReadyFlag::default();
-    let (admin, metrics, renewals) = start_admin(&args, &ready, rt.shutdown());
+    let (metrics, renewals) = start_admin(&mut rt, &args, &ready);
     let owner = election_owner(&client, &args).await;
     let (elector, handle) = Elector::new(
         client.clone(),
@@ -170,30 +168,24 @@ pub(crate) async fn run(args: ControllerArgs) -> anyhow::Result<std::process::Ex
     ready.set(false);
     rt.shutdown().cancel();
     elector.stop_and_warn().await;
-    admin.join().await;
+    rt.finish().await;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// Registers the controller's metrics and serves them with /livez and /readyz (`ready`) until
-/// `shutdown`.
+/// Registers the controller's metrics, which the runtime serves with /livez and /readyz
+/// (`ready`).
 fn start_admin(
+    rt: &mut Runtime,
     args: &ControllerArgs,
     ready: &ReadyFlag,
-    shutdown: &CancellationToken,
-) -> (AdminServer, ControllerMetrics, RenewalGauge) {
-    let mut registry = Registry::default();
-    let metrics = ControllerMetrics::register(&mut registry);
+) -> (ControllerMetrics, RenewalGauge) {
+    let metrics = ControllerMetrics::register(rt.registry());
     let renewals = RenewalGauge::register(
-        &mut registry,
+        rt.registry(),
         "fencedlease_controller_last_renewal_timestamp_seconds",
     );
-    let server = AdminServer::start(
-        args.admin.metrics_addr,
-        ready.readiness(),
-        Arc::new(registry),
-        shutdown.clone(),
-    );
-    (server, metrics, renewals)
+    rt.serve_admin(&args.admin, ready.readiness());
+    (metrics, renewals)
 }
 
 /// The Service meant to own the election FencedLease (--election-owner-service), when it can

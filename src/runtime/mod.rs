@@ -1,5 +1,6 @@
 //! What every long-running role starts with: the Kubernetes client, a shutdown token that
-//! SIGTERM or SIGINT cancels, and the elector as a task that releases the lease when told to.
+//! SIGTERM or SIGINT cancels, the elector as a task that releases the lease when told to, and
+//! (controller, webhook) the admin port that serves the role's registry and readiness.
 //!
 //! The elector has a stop of its own, not the shutdown token: a role first stops its work (the
 //! command, the reconciler, the servers), then the elector, so that the lease is released only
@@ -39,11 +40,15 @@ pub(crate) async fn client() -> Result<kube::Client, RuntimeError> {
         .map_err(RuntimeError::Client)
 }
 
-/// The client and the shutdown token of a running role.
-#[derive(Clone)]
+/// The client, the shutdown token and the admin server of a running role.
 pub(crate) struct Runtime {
     client: kube::Client,
     shutdown: CancellationToken,
+    /// The role's metrics, until the admin server serves them.
+    #[cfg(feature = "operator")]
+    registry: prometheus_client::registry::Registry,
+    #[cfg(feature = "operator")]
+    admin: Option<admin_port::AdminServer>,
 }
 
 impl Runtime {
@@ -53,7 +58,14 @@ impl Runtime {
         let shutdown = CancellationToken::new();
         cancel_on_signals(shutdown.clone())?;
         let client = client().await?;
-        Ok(Runtime { client, shutdown })
+        Ok(Runtime {
+            client,
+            shutdown,
+            #[cfg(feature = "operator")]
+            registry: Default::default(),
+            #[cfg(feature = "operator")]
+            admin: None,
+        })
     }
 
     pub(crate) fn client(&self) -> &kube::Client {
@@ -82,6 +94,36 @@ impl Runtime {
     /// Runs `elector` on a task until [`ElectorTask::stop`].
     pub(crate) fn spawn_elector(&self, elector: Elector) -> ElectorTask {
         ElectorTask::spawn(elector)
+    }
+}
+
+#[cfg(feature = "operator")]
+impl Runtime {
+    /// Where the role registers its metrics, before [`Runtime::serve_admin`].
+    pub(crate) fn registry(&mut self) -> &mut prometheus_client::registry::Registry {
+        &mut self.registry
+    }
+
+    /// Serves the role's admin port (`--metrics-addr`) until the shutdown: `/metrics` from
+    /// the registry, `/readyz` as `ready` says, `/livez`. A failure to bind does not stop the
+    /// role: [`Runtime::finish`] reports it.
+    pub(crate) fn serve_admin(&mut self, args: &args::AdminArgs, ready: admin::Readiness) {
+        let registry = std::mem::take(&mut self.registry);
+        self.admin = Some(admin_port::AdminServer::start(
+            args.metrics_addr,
+            ready,
+            std::sync::Arc::new(registry),
+            self.shutdown.clone(),
+        ));
+    }
+
+    /// Ends the role: cancels the shutdown (if nothing has yet) and waits for the admin server
+    /// to close.
+    pub(crate) async fn finish(self) {
+        self.shutdown.cancel();
+        if let Some(admin) = self.admin {
+            admin.join().await;
+        }
     }
 }
 

@@ -830,19 +830,19 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
         .context("checking --exempt-user and --exempt-group")?;
     let (tls_config, cert) = start_tls(&args).await?;
     // After the certificate: until it is there, SIGTERM ends the process at once.
-    let rt = crate::runtime::Runtime::start().await?;
+    let mut rt = crate::runtime::Runtime::start().await?;
     let client = rt.client().clone();
     let native_sidecars = native_sidecars(&client).await?;
     let store = start_lease_cache(&client);
 
-    let mut registry = Registry::default();
-    let metrics = WebhookMetrics::register(&mut registry);
+    let registry = rt.registry();
+    let metrics = WebhookMetrics::register(registry);
     registry.register(
         "fencedlease_webhook_certificate_expiry_timestamp_seconds",
         "When the serving certificate in use expires, in seconds since the Unix epoch (0: unreadable)",
         cert.not_after_gauge(),
     );
-    let server_metrics = server::ServerMetrics::register(&mut registry);
+    let server_metrics = server::ServerMetrics::register(registry);
     let limits = server::Limits::default();
     let budget = server::BodyBudget::new(&limits, &server_metrics);
     let ready = Arc::new(AtomicBool::new(false));
@@ -862,12 +862,7 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
 
     let readiness = readiness(&shared);
     let stop = rt.shutdown().clone();
-    let admin = crate::runtime::admin_port::AdminServer::start(
-        args.admin.metrics_addr,
-        readiness.clone(),
-        Arc::new(registry),
-        stop.clone(),
-    );
+    rt.serve_admin(&args.admin, readiness.clone());
     let app = Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
@@ -883,8 +878,7 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
     )
     .await;
     info!("shutting down");
-    stop.cancel();
-    admin.join().await;
+    rt.finish().await;
     served?;
     Ok(std::process::ExitCode::SUCCESS)
 }
