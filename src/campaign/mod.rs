@@ -306,11 +306,7 @@ enum Ended {
 }
 
 pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::ExitCode> {
-    let identity = args
-        .election
-        .identity
-        .clone()
-        .unwrap_or_else(crate::runtime::identity::default_identity);
+    let identity = args.election.identity_or_default();
     let grace = grace_of(args.grace_seconds)?;
     // Orphaned descendants of the command are re-parented to this process, not to init, so
     // that they can be found and stopped with the rest of the tree.
@@ -329,12 +325,7 @@ pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::Exit
         None => None,
     };
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) = rt.candidate(
-        &args.election.namespace,
-        &args.election.lease,
-        &identity,
-        args.election.lease_duration,
-    )?;
+    let (elector, handle) = rt.candidate(&args.election, &identity)?;
     let elector = rt.spawn_elector(elector);
     let log = EventLog {
         file,

@@ -31,6 +31,15 @@ pub struct ElectionArgs {
     pub lease_duration: i32,
 }
 
+impl ElectionArgs {
+    /// `--identity`, or the default one (`HOSTNAME-PID`).
+    pub(crate) fn identity_or_default(&self) -> String {
+        self.identity
+            .clone()
+            .unwrap_or_else(crate::runtime::identity::default_identity)
+    }
+}
+
 /// The flags of the plain-HTTP admin server (`/metrics`, `/livez`, `/readyz`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct AdminArgs {

@@ -77,17 +77,15 @@ impl Runtime {
         &self.shutdown
     }
 
-    /// A candidate for the FencedLease `lease` in `namespace` as `identity`, which creates the
-    /// lease with `create_with_duration` seconds if it does not exist (campaign and sidecar).
+    /// A candidate for the lease `args` name as `identity`, which creates the lease with
+    /// `--lease-duration` seconds if it does not exist (campaign and sidecar).
     pub(crate) fn candidate(
         &self,
-        namespace: &str,
-        lease: &str,
+        args: &args::ElectionArgs,
         identity: &str,
-        create_with_duration: i32,
     ) -> Result<(Elector, ElectorHandle), crate::lease::elector::Error> {
-        let mut cfg = ElectorConfig::new(namespace, lease, identity);
-        cfg.create_with_duration = Some(create_with_duration);
+        let mut cfg = ElectorConfig::new(&args.namespace, &args.lease, identity);
+        cfg.create_with_duration = Some(args.lease_duration);
         Elector::new(self.client.clone(), cfg)
     }
 

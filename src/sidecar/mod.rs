@@ -555,18 +555,9 @@ pub(crate) async fn run(args: SidecarArgs) -> anyhow::Result<std::process::ExitC
     let led_before = args.token_dir.join(LED_MARKER).exists();
     let health_url = check_args(&args)?;
     let secret = Arc::new(ApiSecret::load_or_create(&args.token_dir)?);
-    let identity = args
-        .election
-        .identity
-        .clone()
-        .unwrap_or_else(crate::runtime::identity::default_identity);
+    let identity = args.election.identity_or_default();
     let rt = crate::runtime::Runtime::start().await?;
-    let (elector, handle) = rt.candidate(
-        &args.election.namespace,
-        &args.election.lease,
-        &identity,
-        args.election.lease_duration,
-    )?;
+    let (elector, handle) = rt.candidate(&args.election, &identity)?;
     let (shared, gauges) = shared_state(&args, identity, &handle);
     let stop = rt.shutdown();
     let background = Background::start(&args, &rt, elector, &shared, gauges, health_url);
