@@ -66,6 +66,15 @@ fn context(script: &Script) -> Arc<Context> {
     Arc::new(Context::new(script.client(), metrics, "controller-0"))
 }
 
+/// The pod index listed the holder's pod `db-0` of lease `db`, then saw it deleted.
+fn saw_the_holders_pod_go(ctx: &Context) {
+    let mut index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
+    index.apply(&Event::Init);
+    index.apply(&Event::InitApply(pod("db-0", "db")));
+    index.apply(&Event::InitDone);
+    index.apply(&Event::Delete(pod("db-0", "db")));
+}
+
 fn field<'a>(v: &'a Value, path: &[&str]) -> &'a Value {
     path.iter().fold(v, |v, k| &v[*k])
 }
@@ -122,13 +131,7 @@ async fn a_holder_whose_pod_is_gone_is_revoked_at_once_then_told() {
         }),
     ]);
     let ctx = context(&script);
-    {
-        let mut index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
-        index.apply(&Event::Init);
-        index.apply(&Event::InitApply(pod("db-0", "db")));
-        index.apply(&Event::InitDone);
-        index.apply(&Event::Delete(pod("db-0", "db")));
-    }
+    saw_the_holders_pod_go(&ctx);
     let result = reconcile(Arc::new(held(3)), ctx).await;
     script.finish();
     assert!(result.is_ok(), "{result:?}");
@@ -156,13 +159,7 @@ async fn a_holder_whose_pod_came_back_under_its_name_is_not_revoked() {
         }),
     ]);
     let ctx = context(&script);
-    {
-        let mut index = ctx.pods.lock().unwrap_or_else(|p| p.into_inner());
-        index.apply(&Event::Init);
-        index.apply(&Event::InitApply(pod("db-0", "db")));
-        index.apply(&Event::InitDone);
-        index.apply(&Event::Delete(pod("db-0", "db")));
-    }
+    saw_the_holders_pod_go(&ctx);
     let result = reconcile(Arc::new(held(3)), ctx).await;
     script.finish();
     assert!(result.is_ok(), "{result:?}");

@@ -493,7 +493,7 @@ impl Shared {
         let from_cache = j.verdict(cached.as_ref());
         if let Verdict::Refuse(r) = &from_cache {
             if !r.may_be_cache_lag() {
-                return self.refuse(j, from_cache.clone(), began).await;
+                return self.refuse(j, &from_cache, began).await;
             }
         }
         let key = (j.namespace.clone(), j.lease_name.clone());
@@ -504,22 +504,22 @@ impl Shared {
                 return admission::unconfirmed(&j.response, &what, &detail);
             }
         };
-        match j.verdict(fresh.as_ref()) {
-            Verdict::Allow => admission::answer(j, &Verdict::Allow, Mode::Enforce),
-            Verdict::Refuse(r) => {
-                if from_cache == Verdict::Allow {
-                    self.metrics.cache_lag_caught.inc();
-                    info!(lease = %j.lease_name, ns = %j.namespace, "the lease cache lagged: it would have allowed a write the fresh read refuses");
-                }
-                self.refuse(j, Verdict::Refuse(r), began).await
-            }
+        let verdict = j.verdict(fresh.as_ref());
+        if verdict == Verdict::Allow {
+            // The namespace's mode matters only to a refusal: no read for it.
+            return admission::answer(j, &verdict, Mode::Enforce);
         }
+        if from_cache == Verdict::Allow {
+            self.metrics.cache_lag_caught.inc();
+            info!(lease = %j.lease_name, ns = %j.namespace, "the lease cache lagged: it would have allowed a write the fresh read refuses");
+        }
+        self.refuse(j, &verdict, began).await
     }
 
     /// Refuses, unless the namespace is annotated for warn mode (read fresh, coalesced). A
     /// namespace that cannot be read within what is left of `DECISION_BUDGET` since `began`
     /// enforces (fail closed).
-    async fn refuse(&self, j: &Judgement, refusal: Verdict, began: Instant) -> Answer {
+    async fn refuse(&self, j: &Judgement, refusal: &Verdict, began: Instant) -> Answer {
         let left = time_left(DECISION_BUDGET, began.elapsed());
         let mode = match tokio::time::timeout(left, self.fresh.modes.read(j.namespace.clone()))
             .await
@@ -534,7 +534,7 @@ impl Shared {
                 Mode::Enforce
             }
         };
-        admission::answer(j, &refusal, mode)
+        admission::answer(j, refusal, mode)
     }
 
     /// A /scale write or a binding: refused when the object it acts on carries the lease label.
