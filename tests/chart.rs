@@ -8,7 +8,7 @@
 //! objects do not clash with parallel tests), with webhook namespace selectors that match only
 //! that namespace.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! every series they name is one the binary exports; and the options for restricted clusters.
 //! No cluster needed: helm renders, promtool judges.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -5,7 +5,7 @@
 //! cannot read Rust, so this test renders the chart (`helm template`; no cluster needed) and
 //! compares. Adding a row to the table without the chart makes it fail, saying what is missing.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::BTreeSet;
 

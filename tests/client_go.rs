@@ -5,7 +5,7 @@
 //! clients/go/integration_test.go. Go (1.24 or later) must be on PATH: without it the test
 //! fails, it does not skip.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@
 //! sidecar), this side SIGKILLs that sidecar. The test passes when Python exits 0 and the
 //! token Python saw last is the lease's generation on the API server.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

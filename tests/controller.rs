@@ -1,7 +1,7 @@
 //! Controller duties beyond the lease itself, against the real API server: the leader label
 //! on pods, and self-managed webhook certificates written by the active replica only.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Foundation: the FencedLease API against a real kube-apiserver.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

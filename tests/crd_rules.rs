@@ -4,7 +4,7 @@
 //! held, a release, the controller's status) is still accepted. Servers before 1.25 get the CRD
 //! without rules (crds/pre-1.25/) and accept what they always did.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Lease: the election protocol with real candidate processes against a real kube-apiserver.
 //! No controller runs in these tests unless named: failover must not need it.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! kube-rs program would: only `fencedlease_elector::` paths, two electors in one process on
 //! one lease, against a real kube-apiserver. No controller runs: failover must not need it.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

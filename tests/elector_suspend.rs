@@ -8,7 +8,7 @@
 //! CLOCK_BOOTTIME ahead of CLOCK_MONOTONIC by the time suspended. A binary of its own: the
 //! simulated suspend is process-wide. Against a real kube-apiserver.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! collector's finalizer removal and its deletes. They are exempt while they leave the fencing
 //! label and annotations alone; nobody else is.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! silent, as one that dies without an error does) or cut it (the webhook cannot reach the API
 //! server while the API server still reaches the webhook).
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,7 +1,7 @@
 //! Fencing holes 6 and 7: warn mode is chosen on the Namespace, never by a writer of the object;
 //! and a high token stored while warn mode let it through never locks out the real holder.
 
-mod common;
+use fencedlease_testkit as common;
 
 use common::fencing::{
     assert_refused, create, delete, fenced_delete, fenced_merge, move_lease, protected_meta, Held,

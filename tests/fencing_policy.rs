@@ -9,7 +9,7 @@
 //! Needs Kubernetes 1.30 or later (ValidatingAdmissionPolicy v1); on an older server every test
 //! here fails, saying so. hack/test.sh runs it on the current release only.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! not count: an update passes only with a new `fencedlease.io/write-id` beside the token. The
 //! story is shared with policy mode (`tests/common/stories.rs`, `tests/fencing_policy.rs`).
 
-mod common;
+use fencedlease_testkit as common;
 
 use common::fencing::Protected;
 

@@ -3,7 +3,7 @@
 //! apply presents a token only when the applied configuration carries one, with a new write id.
 //! The story is shared with policy mode (`tests/common/stories.rs`, `tests/fencing_policy.rs`).
 
-mod common;
+use fencedlease_testkit as common;
 
 use common::fencing::Protected;
 

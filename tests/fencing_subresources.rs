@@ -4,7 +4,7 @@
 //! labels, so every /scale write is checked against the scaled object and refused when it is
 //! protected. Kubernetes' own controllers (the HPA) stay exempt.
 
-mod common;
+use fencedlease_testkit as common;
 
 use common::fencing::{
     assert_refused, create, fenced_merge, held_lease, protected_meta, stamp, LEASE,

@@ -7,7 +7,7 @@
 //! kubelet would, through pods/status. The holders are real `fencedlease campaign` processes
 //! whose identity is the pod's name, as the injected sidecar's is.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::PathBuf;
 use std::time::Duration;

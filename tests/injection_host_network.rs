@@ -1,7 +1,7 @@
 //! The injection webhook refuses hostNetwork pods, against the real API server: their loopback is
 //! the node's, so the sidecar's token API and API proxy would be open to every process on the node.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! `initContainers` (so that it starts before the pod's own init containers): the test follows
 //! the server it runs against.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! it renewed under, so neither a candidate nor the controller may take over before that long
 //! has passed since its last renewal; and both do take over after it.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //! What RBAC cannot do, and this does not claim: tell apart two pods of the same ServiceAccount.
 //! Each may renew the other's tenure of their shared lease.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::BTreeSet;
 

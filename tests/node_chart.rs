@@ -3,7 +3,7 @@
 //! Service (a fenced write is refused, an annotated pod gets the sidecar), and `helm uninstall`
 //! removes it all but the CRD.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! `fencedlease sidecar` elects exactly one, only it is Ready, and deleting it hands the lease to
 //! the other.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! `--nocapture` to see the numbers); a leader sidecar killed through containerd is revoked by the
 //! controller before its lease could run out.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::{Duration, Instant};
 

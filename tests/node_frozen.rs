@@ -3,7 +3,7 @@
 //! unready while still frozen, and once thawed its write with its old token is refused by the
 //! API server.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The project's image on a real node: the kubelet runs `fencedlease` from `fencedlease:0.1.0`
 //! through containerd, on the pod network (see tests/common/node.rs for the node).
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

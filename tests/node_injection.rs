@@ -3,7 +3,7 @@
 //! `fencedlease.io/role=leader`; the injected native sidecar starts before the app and stops
 //! after it.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! releases on SIGTERM and a new pod takes the lease; the longest time without a holder is
 //! measured and printed (run with `--nocapture` to see the numbers).
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! `kubectl fencedlease` against a real API server: the binary run as `fencedlease kubectl ...`
 //! (and once by its plugin name), leases held by real `fencedlease campaign` processes.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! those that escaped into a session of their own), not just its direct child, and does so by
 //! the end of leadership validity: processes that survive keep acting with a stale token.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};

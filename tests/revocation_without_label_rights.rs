@@ -3,7 +3,7 @@
 //! patch fails. Revocation and status must not wait for the label; the failure is reported as
 //! a Warning Event.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

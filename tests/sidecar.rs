@@ -1,7 +1,7 @@
 //! Sidecar: injection by the mutating webhook, and `fencedlease sidecar` processes as
 //! candidates, against the real API server.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -2,7 +2,7 @@
 //! gone before the new run can lead, and before anything at start-up can fail: the token dir is
 //! an emptyDir the app shares, and a stale file would tell the app it leads.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::Path;
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! Fencing webhook: the real API server calls the real webhook over HTTPS by URL and refuses
 //! writes to protected objects that carry a stale, missing, malformed or forged token.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::sync::Arc;
 use std::time::Duration;

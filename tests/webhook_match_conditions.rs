@@ -5,7 +5,7 @@
 //! was not sent to the webhook, a request refused with "failed calling webhook" was. On servers
 //! before 1.30 the chart renders the configurations as before, and every request is sent.
 
-mod common;
+use fencedlease_testkit as common;
 
 use common::helm::{chart, helm_ok, Release};
 use common::{client, ensure_crd, kubectl, server_minor, TestNamespace};

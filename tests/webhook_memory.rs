@@ -9,7 +9,7 @@
 //! judged without one. It runs with a 2 GiB address-space limit, so that a regression dies
 //! instead of taking the machine's memory.
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

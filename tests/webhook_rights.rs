@@ -4,7 +4,7 @@
 //! same process acting as an identity bound to nothing never turns ready. (What the webhook's
 //! ServiceAccount may NOT do is checked in tests/chart.rs, `rbac_is_enough_and_no_more`.)
 
-mod common;
+use fencedlease_testkit as common;
 
 use std::time::Duration;
 

@@ -416,7 +416,7 @@ pub fn spawn_as(who: &str, name: &str, dir: &Path, args: &[&str]) -> super::proc
     let kubeconfig = kubeconfig_as(who, dir);
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
-    let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+    let child = Command::new(super::fencedlease_bin())
         .args(args)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "info,kube=warn")

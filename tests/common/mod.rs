@@ -2,7 +2,6 @@
 //!
 //! The cluster is found through `$KUBECONFIG`, else `hack/cluster.sh`'s default kubeconfig.
 //! When none answers, the test fails (never skips) and says how to start one.
-#![allow(dead_code)] // each test binary uses a different part of the harness
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,8 +28,37 @@ pub mod webhook;
 
 pub const DEFAULT_KUBECONFIG: &str = "/tmp/fencedlease-cluster/kubeconfig";
 
+/// The repository's root (this crate lives in tests/common).
 pub fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+        here.ancestors().nth(2).unwrap_or(here).to_path_buf()
+    })
+}
+
+/// The `fencedlease` binary the tests run: `$FENCEDLEASE_BIN` if set, else the one cargo built
+/// beside the running test (a test is target/<profile>/deps/<name>-<hash>, the binary
+/// target/<profile>/fencedlease; cargo builds a package's binaries before its integration tests).
+/// `CARGO_BIN_EXE_fencedlease` is not available here: cargo sets it only for the package's own
+/// test targets.
+pub fn fencedlease_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("FENCEDLEASE_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("the running test's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test binary lives in target/<profile>/deps");
+    let bin = profile_dir.join("fencedlease");
+    assert!(
+        bin.is_file(),
+        "no fencedlease binary at {}: run the tests with `cargo test` (which builds it) \
+         or set FENCEDLEASE_BIN",
+        bin.display()
+    );
+    bin
 }
 
 pub fn kubeconfig_path() -> PathBuf {

@@ -99,7 +99,7 @@ pub fn spawn_fencedlease_env(
     let events = dir.join(format!("{name}.events"));
     let log = dir.join(format!("{name}.log"));
     let logf = std::fs::File::create(&log).expect("create log");
-    let child = Command::new(env!("CARGO_BIN_EXE_fencedlease"))
+    let child = Command::new(super::fencedlease_bin())
         .args(args)
         .env("KUBECONFIG", kubeconfig_path())
         .env("RUST_LOG", "info,kube=warn")

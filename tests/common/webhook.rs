@@ -37,7 +37,7 @@ pub fn issue_certs(mount: &Path, reuse_ca: bool) -> String {
     } else {
         let _ = std::fs::remove_dir_all(&staging);
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencedlease"));
+    let mut cmd = Command::new(super::fencedlease_bin());
     cmd.args([
         "certs",
         "--out",
