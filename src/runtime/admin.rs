@@ -16,8 +16,8 @@ use axum::routing::get;
 use axum::Router;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tracing::warn;
 
+use super::accept::accept_until;
 use crate::lease::elector::LeaderState;
 
 /// The content type of `/metrics`.
@@ -129,33 +129,23 @@ pub(crate) async fn serve(
             .max_connections
             .min(tokio::sync::Semaphore::MAX_PERMITS),
     ));
-    tokio::pin!(stop);
-    loop {
-        let tcp = tokio::select! {
-            _ = &mut stop => return,
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    warn!(error = %e, "admin endpoint: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            continue; // full: dropping the connection closes it
-        };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let _slot = slot;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(limits.header_timeout)
-                .keep_alive(false)
-                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            let _ = tokio::time::timeout(limits.request_timeout, conn).await;
-        });
-    }
+    accept_until(&listener, "admin", stop, |tcp, _| {
+        // Full: dropping the connection closes it (a probe or a scrape retries).
+        if let Ok(slot) = slots.clone().try_acquire_owned() {
+            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            tokio::spawn(async move {
+                let _slot = slot;
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(limits.header_timeout)
+                    .keep_alive(false)
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+                let _ = tokio::time::timeout(limits.request_timeout, conn).await;
+            });
+        }
+        std::future::ready(())
+    })
+    .await;
 }
 
 /// A gauge of Unix time in seconds.

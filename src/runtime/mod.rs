@@ -6,6 +6,7 @@
 //! command, the reconciler, the servers), then the elector, so that the lease is released only
 //! once nothing acts on it any more.
 
+pub(crate) mod accept;
 pub(crate) mod admin;
 #[cfg(feature = "operator")]
 pub(crate) mod admin_port;
@@ -21,6 +22,11 @@ use tracing::{info, warn};
 
 use crate::api::{MAX_LEASE_DURATION_SECONDS, MIN_LEASE_DURATION_SECONDS};
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle};
+
+/// The largest request body any server of this binary reads: the webhook's AdmissionReview (an
+/// update carries two objects of at most 1.5 MiB each, etcd's default request limit, plus the
+/// envelope) and a write the sidecar's proxy stamps (one object).
+pub(crate) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum RuntimeError {

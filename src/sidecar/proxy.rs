@@ -24,8 +24,7 @@ use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
-/// The largest request body the proxy reads to add the token.
-pub(super) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+use crate::runtime::MAX_BODY_BYTES;
 
 /// Request header pinning a write to the tenure it was decided under: the token (a canonical
 /// decimal). The proxy stamps the current token on every write, so without a pin a request

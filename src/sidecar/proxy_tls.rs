@@ -19,9 +19,10 @@ use rustls::crypto::ring::default_provider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::api::{API_SECRET_FILE, PROXY_KUBECONFIG_FILE};
+use crate::runtime::accept::accept_until;
 
 /// The proxy's serving certificate (PEM), its key and the CA that signed it, in the token dir.
 const CERT_FILE: &str = "proxy.crt";
@@ -168,7 +169,7 @@ fn write_atomic(path: &Path, content: &str) -> Result<(), ProxyTlsError> {
 }
 
 /// Serves `router` over TLS on `listener` until `stop`: at most [`MAX_CONNECTIONS`] at once
-/// (more wait in the listen queue), each handshake within [`HANDSHAKE_TIMEOUT`] and each
+/// (one more waits for a slot, the rest in the listen queue), each handshake within [`HANDSHAKE_TIMEOUT`] and each
 /// request's headers within [`HEADER_TIMEOUT`]; at `stop`, open connections finish the
 /// request under way and close.
 pub(super) async fn serve(
@@ -180,31 +181,28 @@ pub(super) async fn serve(
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let tracker = tokio_util::task::TaskTracker::new();
-    loop {
-        let slot = tokio::select! {
-            _ = stop.cancelled() => break,
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-        };
-        let tcp = tokio::select! {
-            _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    warn!(error = %e, "API proxy: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let (acceptor, router, stop) = (acceptor.clone(), router.clone(), stop.clone());
-        tracker.spawn(async move {
-            let _slot = slot;
-            connection(tcp, acceptor, router, stop).await;
-        });
-    }
+    let stopped = stop.clone().cancelled_owned();
+    accept_until(&listener, "API proxy", stopped, |tcp, _| {
+        let (slots, acceptor, router, stop) = (
+            slots.clone(),
+            acceptor.clone(),
+            router.clone(),
+            stop.clone(),
+        );
+        let tracker = tracker.clone();
+        async move {
+            // All slots taken: wait for one before the next accept (the rest wait in the
+            // listen queue).
+            let Ok(slot) = slots.acquire_owned().await else {
+                return;
+            };
+            tracker.spawn(async move {
+                let _slot = slot;
+                connection(tcp, acceptor, router, stop).await;
+            });
+        }
+    })
+    .await;
     tracker.close();
     tracker.wait().await;
     Ok(())

@@ -18,9 +18,7 @@ use crate::webhook::fence::{
 };
 use crate::webhook::subresources::{self, Judged, Via};
 
-/// The largest request body read; an AdmissionReview for an update carries two objects of at
-/// most 1.5 MiB each (etcd's default request limit), plus envelope.
-pub(super) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+pub(super) use crate::runtime::MAX_BODY_BYTES;
 
 /// What the webhook must decide about one request.
 #[derive(Debug)]

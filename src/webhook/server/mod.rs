@@ -1,4 +1,4 @@
-//! The webhook's HTTPS server: one accept loop that bounds what a client can make the webhook
+//! The webhook's HTTPS server: the runtime's accept loop with a gate that bounds what a client can make the webhook
 //! hold (connections, time, bytes), so that a flood from any pod can neither push it past its
 //! memory limit nor stop it answering the API server.
 //!
@@ -25,14 +25,14 @@ mod metrics;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use crate::runtime::accept::accept_until;
 pub(super) use body::answer_within;
 pub use body::{read_body_bounded, BodyBudget, BodyError, BudgetGuard};
 use conn::{http_builder, Ctx};
@@ -82,26 +82,11 @@ pub async fn serve(
         metrics,
     });
     let connections = CancellationToken::new();
-    tokio::pin!(stop);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            _ = &mut stop => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        // The API server waits on every answer: no Nagle delay on a reply that goes out in
-        // more than one write (HTTP/2 headers and data frames).
-        if let Err(e) = tcp.set_nodelay(true) {
-            debug!(%peer, error = %e, "could not set TCP_NODELAY");
-        }
+    accept_until(&listener, "webhook", stop, |tcp, peer| {
         admit(tcp, peer, &gate, &queue, &ctx, connections.clone());
-    }
+        std::future::ready(())
+    })
+    .await;
     drop(listener);
     let open = max - slots.available_permits();
     info!(open, "stopped accepting; finishing the open connections");
