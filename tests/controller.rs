@@ -321,9 +321,11 @@ async fn one_of_two_replicas_is_active_and_sigterm_hands_over() {
     })
     .await;
     drop((a, b));
-    // SIGTERM of the active replica: it exits 0 and the other takes over without waiting for
-    // the 15 s election lease to expire.
-    let t0 = std::time::Instant::now();
+    // SIGTERM of the active replica: it exits 0 and releases the election lease (a change to
+    // no holder, seen on a watch), so that the other takes over without waiting for the 15 s
+    // lease to expire.
+    let election: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    let log = common::handover::LeaseLog::start(election, "fencedlease-controller").await;
     reps[active].signal(Signal::SIGTERM);
     assert_eq!(
         reps[active].wait_exit(Duration::from_secs(10)),
@@ -333,15 +335,32 @@ async fn one_of_two_replicas_is_active_and_sigterm_hands_over() {
     );
     let standby = 1 - active;
     eventually(
-        Duration::from_secs(5),
+        Duration::from_secs(20),
         "the standby to become active",
         || async { leading(ports[standby]).then_some(()) },
     )
     .await;
+    let (old, new) = (
+        format!("controller-{active}"),
+        format!("controller-{standby}"),
+    );
+    let seen = eventually(
+        Duration::from_secs(10),
+        "the standby's tenure on the watch",
+        || async {
+            let holders: Vec<Option<String>> =
+                log.entries().into_iter().map(|s| s.holder).collect();
+            holders.contains(&Some(new.clone())).then_some(holders)
+        },
+    )
+    .await;
+    let from_old = seen.iter().position(|h| h.as_deref() == Some(old.as_str()));
+    let to_new = seen.iter().position(|h| h.as_deref() == Some(new.as_str()));
+    let released = matches!((from_old, to_new), (Some(o), Some(n))
+        if seen[o..n].iter().any(Option::is_none));
     assert!(
-        t0.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        t0.elapsed()
+        released,
+        "the active replica released before the standby took over: {seen:?}"
     );
 }
 

@@ -8,6 +8,7 @@
 //! so that the byte meter below is exact: nothing runs between a request giving its budget
 //! back and the meter hearing of it.
 
+use fencedlease_testkit as common;
 use std::future::Future as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -105,6 +106,10 @@ async fn validate(State(app): State<App>, body: Body) -> String {
     answer
 }
 
+const OPEN: &str = "fencedlease_webhook_connections_open";
+const WAITING: &str = "fencedlease_webhook_connections_waiting";
+const HELD: &str = "fencedlease_webhook_body_bytes_held";
+
 /// A webhook server on a free loopback port, with its metrics and the client's trust.
 struct TestServer {
     addr: SocketAddr,
@@ -182,6 +187,25 @@ impl TestServer {
             .unwrap_or(0.0)
     }
 
+    /// Waits until `sample` reads `value`: the server's own account that a connection was
+    /// taken, queued or closed, instead of a pause that hopes it was.
+    async fn until(&self, sample: &str, value: f64) {
+        common::eventually(Duration::from_secs(10), sample, || async {
+            (self.metric(sample) == value).then_some(())
+        })
+        .await
+    }
+
+    /// Waits until a request's body is held by the handler (it is being judged).
+    async fn until_judging(&self) {
+        common::eventually(
+            Duration::from_secs(10),
+            "a request being judged",
+            || async { (self.metric(HELD) > 0.0).then_some(()) },
+        )
+        .await
+    }
+
     fn refused(&self, reason: &str) -> f64 {
         self.metric(&format!(
             "fencedlease_webhook_connections_refused_total{{reason=\"{reason}\"}}"
@@ -250,9 +274,8 @@ impl TestServer {
         send
     }
 
-    /// Stops the server; returns how long it took to return.
-    async fn stop(mut self) -> Duration {
-        let started = Instant::now();
+    /// Stops the server and waits for it to return; its metrics stay readable.
+    async fn stop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -260,7 +283,6 @@ impl TestServer {
             .await
             .expect("the server returned")
             .expect("join");
-        started.elapsed()
     }
 }
 
@@ -394,7 +416,7 @@ async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
         tls_handshake_timeout: Duration::from_secs(1),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     // A pod opens 5 connections and says nothing: it gets 3; 2 are closed at once.
     let mut pod: Vec<TcpStream> = Vec::new();
     for _ in 0..5 {
@@ -416,7 +438,7 @@ async fn surplus_connections_are_closed_at_once_and_each_peer_gets_its_share() {
     for _ in 0..3 {
         other.push(srv.tcp_from("127.0.0.3").await);
     }
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    srv.until(OPEN, 6.0).await;
     assert!(
         srv.try_tls_from("127.0.0.1", b"h2").await.is_err(),
         "a connection beyond the server's 6 was served"
@@ -451,35 +473,31 @@ async fn a_connection_beyond_the_bounds_waits_for_a_slot() {
         max_waiting: 1,
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut first = srv.h2_from("127.0.0.1").await;
     let second = srv.tls_from("127.0.0.1", b"http/1.1").await;
     assert_eq!(post(&mut first, review(10)).await, "read 10");
     // A third from the same address waits; the second closing gives it the slot.
-    let t0 = Instant::now();
     let waiting = async {
         let mut third = srv.h2_from("127.0.0.1").await;
-        (post(&mut third, review(20)).await, Instant::now())
+        post(&mut third, review(20)).await
     };
     let meanwhile = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        srv.until(WAITING, 1.0).await;
         // One waits at most (max_waiting 1): a fourth meanwhile is closed at once.
         let mut fourth = srv.tcp_from("127.0.0.1").await;
         let closed = closed_by(&mut fourth, Instant::now() + Duration::from_millis(200)).await;
         drop(second);
         closed
     };
-    let ((answer, at), fourth_closed) = tokio::join!(waiting, meanwhile);
+    let (answer, fourth_closed) = tokio::join!(waiting, meanwhile);
     assert!(
         fourth_closed,
         "a connection beyond max_waiting was not closed at once"
     );
+    // Served, not refused at the end of its wait (that would count as peer_full below).
     assert_eq!(answer, "read 20");
-    assert!(
-        at - t0 < Duration::from_millis(1500),
-        "the waiting connection was served only after {:?}",
-        at - t0
-    );
+    assert_eq!(srv.refused("peer_full"), 0.0);
     // Nothing frees: a waiting connection is closed after slot_wait, counted.
     let _third_holder = srv.tls_from("127.0.0.1", b"http/1.1").await; // the peer's 2 again
     let mut late = srv.tcp_from("127.0.0.1").await;
@@ -518,7 +536,7 @@ async fn a_pod_cannot_take_every_place_in_the_queue() {
         max_waiting_per_peer: 1,
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut api = srv.h2_from("127.0.0.1").await;
     assert_eq!(post(&mut api, review(10)).await, "read 10");
     let pod = srv.tls_from("127.0.0.2", b"http/1.1").await;
@@ -532,23 +550,17 @@ async fn a_pod_cannot_take_every_place_in_the_queue() {
     );
     assert!(!closed_by(&mut pod_waits, Instant::now() + Duration::from_millis(100)).await);
     // The API server's second connection finds a place, and the slot its first gives back.
-    let t0 = Instant::now();
     let (answer, ()) = tokio::join!(
         async {
             let mut again = srv.h2_from("127.0.0.1").await;
             post(&mut again, review(20)).await
         },
         async {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            srv.until(WAITING, 2.0).await; // the pod's and the API server's
             drop(api);
         }
     );
     assert_eq!(answer, "read 20");
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "served after {:?}",
-        t0.elapsed()
-    );
     assert_eq!(srv.refused("queue_full"), 1.0);
     // The pod's place is given back once its waiter is served: its next one waits again.
     drop(pod);
@@ -574,20 +586,19 @@ async fn shutdown_closes_the_waiting_connections_at_once() {
         slot_wait: Duration::from_secs(10),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::from_secs(2)).await;
+    let mut srv = TestServer::start(limits, Duration::from_secs(2)).await;
     let mut api = srv.h2_from("127.0.0.1").await;
     let in_flight = tokio::spawn(async move { post(&mut api, review(10)).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    srv.until_judging().await;
     let mut waiting = srv.tcp_from("127.0.0.2").await;
-    tokio::time::sleep(Duration::from_millis(100)).await; // it queues
+    srv.until(WAITING, 1.0).await;
     assert_eq!(srv.refused("shutdown"), 0.0);
     let deadline = Instant::now() + Duration::from_millis(1000);
-    let (took, closed) = tokio::join!(srv.stop(), closed_by(&mut waiting, deadline));
+    let ((), closed) = tokio::join!(srv.stop(), closed_by(&mut waiting, deadline));
     assert!(
         closed,
         "a waiting connection outlived the shutdown by a second"
     );
-    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
     assert_eq!(
         in_flight.await.expect("join"),
         "read 10",
@@ -605,7 +616,7 @@ async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
         idle_timeout: Duration::from_secs(5),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut send = h1(&srv).await;
     for n in [10, 20] {
         assert_eq!(post_h1(&mut send, review(n)).await, format!("read {n}"));
@@ -626,7 +637,7 @@ async fn a_silent_http1_connection_waits_as_an_idle_one_not_as_a_slow_request() 
         shutdown_grace: Duration::from_secs(5),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut silent = srv.tls_from("127.0.0.1", b"http/1.1").await;
     let t0 = Instant::now();
     // The API server keeps a connection it dialled and did not need idle in its pool: past
@@ -665,7 +676,7 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
         shutdown_grace: Duration::from_millis(300),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::ZERO).await;
+    let mut srv = TestServer::start(limits, Duration::ZERO).await;
     // The API server's connection, open before the flood.
     let mut api = srv.h2_from("127.0.0.1").await;
     assert_eq!(post(&mut api, review(10)).await, "read 10");
@@ -704,17 +715,13 @@ async fn slow_and_silent_connections_are_closed_by_their_bounds_while_answers_fl
     }
 
     // Meanwhile the API server is answered, on its connection and on a new one.
+    // (How fast, under a flood, is a question for a benchmark; this test: that they are.)
     for i in 0..8 {
-        let asked = Instant::now();
         assert_eq!(
             post(&mut api, review(1000 + i)).await,
             format!("read {}", 1000 + i)
         );
-        assert!(
-            asked.elapsed() < Duration::from_secs(1),
-            "a slow answer during the flood"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await; // spread over the flood's life
     }
     let mut fresh = srv.h2_from("127.0.0.1").await;
     assert_eq!(post(&mut fresh, review(7)).await, "read 7");
@@ -773,7 +780,7 @@ async fn many_parallel_large_bodies_never_buffer_more_than_the_budget() {
         body_timeout: Duration::from_secs(10),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::from_millis(20)).await;
+    let mut srv = TestServer::start(limits, Duration::from_millis(20)).await;
     let mut requests = tokio::task::JoinSet::new();
     // 4 HTTP/2 connections with 8 streams each, and 8 HTTP/1 connections: 40 bodies of 400 KiB.
     for _ in 0..4 {
@@ -810,32 +817,38 @@ async fn shutdown_and_old_age_let_requests_in_flight_finish() {
         shutdown_grace: Duration::from_secs(3),
         ..Limits::default()
     };
-    let srv = TestServer::start(limits, Duration::from_millis(500)).await;
+    let mut srv = TestServer::start(limits, Duration::from_millis(500)).await;
     // Too old while its request is judged: told to finish, the answer still arrives.
     let mut old = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // it ages while its request waits
     assert_eq!(post(&mut old, review(3)).await, "read 3");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(old.is_closed(), "the old connection was not ended");
-    assert_eq!(srv.closed("max_age"), 1.0);
+    srv.until(
+        "fencedlease_webhook_connections_closed_total{reason=\"max_age\"}",
+        1.0,
+    )
+    .await;
+    common::eventually(
+        Duration::from_secs(10),
+        "the old connection to end",
+        || async { old.is_closed().then_some(()) },
+    )
+    .await;
     // Shutdown with a request in flight and an idle connection: the request is answered, the
     // idle connection goes at once, and the server returns without waiting out the grace.
     let mut busy = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
     let idle = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
     let in_flight = tokio::spawn(async move { post(&mut busy, review(4)).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    srv.until_judging().await;
     let addr = srv.addr;
-    let took = srv.stop().await;
+    srv.stop().await;
     assert_eq!(in_flight.await.expect("join"), "read 4");
-    let mut waited = 0;
-    while !idle.is_closed() && waited < 20 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        waited += 1;
-    }
-    assert!(
-        idle.is_closed(),
-        "the idle connection outlived the shutdown"
-    );
-    assert!(took < Duration::from_secs(2), "shutdown took {took:?}");
+    common::eventually(
+        Duration::from_secs(10),
+        "the idle connection to close at shutdown",
+        || async { idle.is_closed().then_some(()) },
+    )
+    .await;
+    // Shutdown did not wait out the 3 s grace: nothing was dropped at its end.
+    assert_eq!(srv.closed("grace_expired"), 0.0);
     assert!(TcpStream::connect(addr).await.is_err(), "still accepting");
 }

@@ -171,20 +171,30 @@ impl Drop for Slot {
 pub(super) struct Queue {
     all: Arc<Semaphore>,
     peers: PeerSlots,
+    /// Connections in the queue now (a metric).
+    waiting: Gauge,
 }
 
 /// A place in the queue, given back when dropped.
 pub(super) struct Place {
     _all: OwnedSemaphorePermit,
     _peer: PeerSlot,
+    waiting: Gauge,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.waiting.dec();
+    }
 }
 
 impl Queue {
-    pub(super) fn new(limits: &Limits) -> Queue {
+    pub(super) fn new(limits: &Limits, waiting: Gauge) -> Queue {
         let all = limits.max_waiting.min(Semaphore::MAX_PERMITS);
         Queue {
             all: Arc::new(Semaphore::new(all)),
             peers: PeerSlots::new(limits.max_waiting_per_peer),
+            waiting,
         }
     }
 
@@ -192,9 +202,11 @@ impl Queue {
     fn place(&self, ip: IpAddr) -> Option<Place> {
         let peer = self.peers.take(ip)?;
         let all = self.all.clone().try_acquire_owned().ok()?;
+        self.waiting.inc();
         Some(Place {
             _all: all,
             _peer: peer,
+            waiting: self.waiting.clone(),
         })
     }
 }

@@ -20,6 +20,7 @@ pub(super) struct ProtocolLabel {
 #[derive(Clone, Debug, Default)]
 pub struct ServerMetrics {
     pub(super) open: Gauge,
+    pub(super) waiting: Gauge,
     accepted: Family<ProtocolLabel, Counter>,
     refused: Family<ReasonLabel, Counter>,
     closed: Family<ReasonLabel, Counter>,
@@ -34,6 +35,11 @@ impl ServerMetrics {
             "fencedlease_webhook_connections_open",
             "HTTPS connections being served",
             m.open.clone(),
+        );
+        r.register(
+            "fencedlease_webhook_connections_waiting",
+            "Connections accepted and waiting for a slot (at most the server's max waiting)",
+            m.waiting.clone(),
         );
         r.register(
             "fencedlease_webhook_connections_accepted",
