@@ -2,6 +2,8 @@
 #![deny(missing_docs)]
 
 pub mod api;
+pub mod client;
+pub mod leading;
 pub mod lease;
 pub mod stamp;
 

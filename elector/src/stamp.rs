@@ -70,6 +70,148 @@ pub fn announce_delete(meta: &mut ObjectMeta, lease: &str, token: &FencingToken,
         .insert(DELETE_INTENT_ANNOTATION.to_string(), write_id.to_string());
 }
 
+/// A write id never used before by this process: the token's generation, the process id, when
+/// the process first asked, and a counter. It only has to differ from the one stored on the
+/// object (it proves that this write stamped the token itself).
+pub fn new_write_id(token: &FencingToken) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static START: OnceLock<i128> = OnceLock::new();
+    let start = START.get_or_init(|| jiff::Timestamp::now().as_nanosecond());
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "{}-{}-{:x}-{n}",
+        token.generation,
+        std::process::id(),
+        start
+    )
+}
+
+/// How a request body is written, by its `Content-Type` (parameters ignored): what
+/// [`stamp_body`] does with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyKind {
+    /// A whole object (`application/json`, a create or an update), a merge patch or a
+    /// strategic merge patch: the token goes into `metadata.annotations`, made if missing.
+    Object,
+    /// A server-side apply (`application/apply-patch+yaml`): the same, in the applied
+    /// configuration, so that this field manager owns the stamp it sends. Only JSON is read
+    /// (what kube-rs and client-go send; YAML is refused with a clear error).
+    Apply,
+    /// A JSON patch (`application/json-patch+json`): three `add` operations are appended, one
+    /// per annotation. They need `metadata.annotations` to exist, as it does on every
+    /// protected object (its create presented a token); on an object without annotations the
+    /// API server refuses the patch, and nothing is written.
+    JsonPatch,
+}
+
+impl BodyKind {
+    /// The kind of a write's body by its content type; `None` for a body this crate does not
+    /// stamp (protobuf, CBOR).
+    pub fn of(content_type: &str) -> Option<BodyKind> {
+        let ct = content_type.split(';').next().unwrap_or("").trim();
+        match ct {
+            ""
+            | "application/json"
+            | "application/merge-patch+json"
+            | "application/strategic-merge-patch+json" => Some(BodyKind::Object),
+            "application/apply-patch+yaml" | "application/apply-patch+json" => {
+                Some(BodyKind::Apply)
+            }
+            "application/json-patch+json" => Some(BodyKind::JsonPatch),
+            _ => None,
+        }
+    }
+}
+
+/// Why a body could not be stamped. Nothing is sent then.
+#[derive(Debug, thiserror::Error)]
+pub enum StampError {
+    /// The body is not JSON (an apply patch in YAML, say).
+    #[error("the body is not JSON ({0}); send it as JSON so that the token can be stamped on it")]
+    NotJson(String),
+    /// The body is JSON of the wrong shape.
+    #[error("the body is not {0}")]
+    Shape(&'static str),
+}
+
+/// Stamps a write's body: the [`TOKEN_ANNOTATION`], [`LEASE_UID_ANNOTATION`] and
+/// [`WRITE_ID_ANNOTATION`] of `token` and `write_id`, as [`BodyKind`] says. Other labels and
+/// annotations are left as they are (so is the [`LEASE_LABEL`]: the object, or the applied
+/// configuration, names its lease itself).
+///
+/// ```
+/// use fencedlease_elector::stamp::{stamp_body, BodyKind};
+/// use fencedlease_elector::FencingToken;
+///
+/// let token = FencingToken { lease_uid: "0b6f-e1".into(), generation: 6 };
+/// let patch = br#"[{"op":"replace","path":"/data/x","value":"1"}]"#;
+/// let stamped = stamp_body(BodyKind::JsonPatch, patch, &token, "6-1").unwrap();
+/// let ops: serde_json::Value = serde_json::from_slice(&stamped).unwrap();
+/// assert_eq!(ops[1]["path"], "/metadata/annotations/fencedlease.io~1token");
+/// assert_eq!(ops[1]["value"], "6");
+/// ```
+pub fn stamp_body(
+    kind: BodyKind,
+    body: &[u8],
+    token: &FencingToken,
+    write_id: &str,
+) -> Result<Vec<u8>, StampError> {
+    let mut v: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| StampError::NotJson(e.to_string()))?;
+    let stamp = [
+        (TOKEN_ANNOTATION, token.generation.to_string()),
+        (LEASE_UID_ANNOTATION, token.lease_uid.clone()),
+        (WRITE_ID_ANNOTATION, write_id.to_string()),
+    ];
+    match kind {
+        BodyKind::Object | BodyKind::Apply => {
+            let annotations = annotations_of(&mut v)?;
+            for (k, val) in stamp {
+                annotations.insert(k.to_string(), serde_json::Value::String(val));
+            }
+        }
+        BodyKind::JsonPatch => {
+            let ops = v
+                .as_array_mut()
+                .ok_or(StampError::Shape("a JSON patch (an array of operations)"))?;
+            for (k, val) in stamp {
+                let path = format!(
+                    "/metadata/annotations/{}",
+                    k.replace('~', "~0").replace('/', "~1")
+                );
+                ops.push(serde_json::json!({"op": "add", "path": path, "value": val}));
+            }
+        }
+    }
+    serde_json::to_vec(&v).map_err(|e| StampError::NotJson(e.to_string()))
+}
+
+/// `metadata.annotations` of a JSON object body, made if missing or null.
+fn annotations_of(
+    v: &mut serde_json::Value,
+) -> Result<&mut serde_json::Map<String, serde_json::Value>, StampError> {
+    let obj = v
+        .as_object_mut()
+        .ok_or(StampError::Shape("a JSON object"))?;
+    let meta = obj
+        .entry("metadata")
+        .or_insert_with(|| serde_json::json!({}));
+    let meta = meta
+        .as_object_mut()
+        .ok_or(StampError::Shape("an object whose metadata is an object"))?;
+    let ann = meta
+        .entry("annotations")
+        .or_insert_with(|| serde_json::json!({}));
+    if ann.is_null() {
+        *ann = serde_json::json!({});
+    }
+    ann.as_object_mut().ok_or(StampError::Shape(
+        "an object whose metadata.annotations is an object",
+    ))
+}
+
 /// The HTTP status and reason of every fencing refusal, from the webhook, the policy and the
 /// sidecar's API proxy alike: 403 Forbidden. Not 409 Conflict: Kubernetes clients read a
 /// conflict as "re-read the object and try again" (`kubectl scale` retries one for minutes,
@@ -134,6 +276,106 @@ pub fn parse_token(s: &str) -> Result<i64, TokenError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn token() -> FencingToken {
+        FencingToken {
+            lease_uid: "u-1".into(),
+            generation: 7,
+        }
+    }
+
+    #[test]
+    fn each_body_kind_is_stamped_and_keeps_what_it_had() {
+        let cases: [(&str, &[u8]); 4] = [
+            (
+                "application/json",
+                br#"{"kind":"ConfigMap","metadata":{"name":"a","annotations":{"x":"1"}}}"#,
+            ),
+            (
+                "application/merge-patch+json",
+                br#"{"metadata":{"annotations":null},"data":{"k":"v"}}"#,
+            ),
+            (
+                "application/strategic-merge-patch+json; charset=utf-8",
+                br#"{"data":{"k":"v"}}"#,
+            ),
+            (
+                "application/apply-patch+yaml",
+                br#"{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"a"}}"#,
+            ),
+        ];
+        for (ct, body) in cases {
+            let kind = BodyKind::of(ct).expect(ct);
+            let out: serde_json::Value =
+                serde_json::from_slice(&stamp_body(kind, body, &token(), "w-1").expect(ct))
+                    .expect("JSON");
+            let ann = &out["metadata"]["annotations"];
+            assert_eq!(ann[TOKEN_ANNOTATION], "7", "{ct}");
+            assert_eq!(ann[LEASE_UID_ANNOTATION], "u-1", "{ct}");
+            assert_eq!(ann[WRITE_ID_ANNOTATION], "w-1", "{ct}");
+            let before: serde_json::Value = serde_json::from_slice(body).expect("JSON");
+            if let Some(x) = before["metadata"]["annotations"].get("x") {
+                assert_eq!(&ann["x"], x, "{ct}: other annotations stay");
+            }
+            if let Some(d) = before.get("data") {
+                assert_eq!(&out["data"], d, "{ct}: the rest stays");
+            }
+        }
+    }
+
+    #[test]
+    fn a_json_patch_gets_three_adds_after_its_own_operations() {
+        let body = br#"[{"op":"remove","path":"/data/a~1b"}]"#;
+        let out: serde_json::Value = serde_json::from_slice(
+            &stamp_body(BodyKind::JsonPatch, body, &token(), "w-2").expect("stamp"),
+        )
+        .expect("JSON");
+        let ops = out.as_array().expect("array");
+        assert_eq!(ops.len(), 4);
+        assert_eq!(ops[0]["op"], "remove");
+        let paths: Vec<&str> = ops[1..].iter().filter_map(|o| o["path"].as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/metadata/annotations/fencedlease.io~1token",
+                "/metadata/annotations/fencedlease.io~1lease-uid",
+                "/metadata/annotations/fencedlease.io~1write-id"
+            ]
+        );
+        assert!(ops[1..].iter().all(|o| o["op"] == "add"));
+    }
+
+    #[test]
+    fn bodies_that_cannot_be_stamped_are_refused_with_a_reason() {
+        let t = token();
+        let yaml = b"apiVersion: v1\nkind: ConfigMap\n";
+        assert!(matches!(
+            stamp_body(BodyKind::Apply, yaml, &t, "w"),
+            Err(StampError::NotJson(_))
+        ));
+        assert!(matches!(
+            stamp_body(BodyKind::Object, b"[1]", &t, "w"),
+            Err(StampError::Shape(_))
+        ));
+        assert!(matches!(
+            stamp_body(BodyKind::JsonPatch, b"{}", &t, "w"),
+            Err(StampError::Shape(_))
+        ));
+        assert!(matches!(
+            stamp_body(
+                BodyKind::Object,
+                br#"{"metadata":{"annotations":[1]}}"#,
+                &t,
+                "w"
+            ),
+            Err(StampError::Shape(_))
+        ));
+        assert_eq!(BodyKind::of("application/vnd.kubernetes.protobuf"), None);
+        assert_eq!(
+            BodyKind::of("application/json-patch+json"),
+            Some(BodyKind::JsonPatch)
+        );
+    }
 
     #[test]
     fn stamping_keeps_other_labels_and_annotations_and_replaces_an_old_stamp() {

@@ -171,43 +171,18 @@ pub(super) fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrit
     }
 }
 
-/// A write id never used before by this process: the token, the process id, the time the
-/// process started and a counter. It only has to differ from the one stored on the object; it
-/// proves that this write stamped the token itself.
-pub(super) fn new_write_id(token: &FencingToken) -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    static START: OnceLock<i128> = OnceLock::new();
-    let start = START.get_or_init(|| jiff::Timestamp::now().as_nanosecond());
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!(
-        "{}-{}-{:x}-{n}",
-        token.generation,
-        std::process::id(),
-        start
-    )
-}
+pub(super) use crate::stamp::new_write_id;
 
 /// Adds the token annotations and a new write id to a JSON object body (a full object or a
 /// merge patch).
 pub(super) fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
-    let mut v: Value =
-        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
-    let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
-    let meta = obj.entry("metadata").or_insert_with(|| json!({}));
-    let meta = meta.as_object_mut().ok_or("metadata is not an object")?;
-    let ann = meta.entry("annotations").or_insert_with(|| json!({}));
-    if ann.is_null() {
-        *ann = json!({});
-    }
-    let ann = ann
-        .as_object_mut()
-        .ok_or("metadata.annotations is not an object")?;
-    ann.insert(TOKEN_ANNOTATION.into(), json!(token.generation.to_string()));
-    ann.insert(LEASE_UID_ANNOTATION.into(), json!(token.lease_uid));
-    ann.insert(WRITE_ID_ANNOTATION.into(), json!(new_write_id(token)));
-    serde_json::to_vec(&v).map_err(|e| e.to_string())
+    crate::stamp::stamp_body(
+        crate::stamp::BodyKind::Object,
+        body,
+        token,
+        &new_write_id(token),
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// The lease a stored object (or list: none) is protected by: its [`LEASE_LABEL`].

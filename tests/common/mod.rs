@@ -37,6 +37,26 @@ pub fn repo_root() -> &'static Path {
     })
 }
 
+/// An example program of the workspace that cargo built beside the running test
+/// (target/<profile>/examples/NAME): `cargo test --workspace --all-targets` (hack/test.sh)
+/// builds them all; alone, `cargo build -p fencedlease-elector --examples` first.
+pub fn example_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test's path");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test binary lives in target/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        bin.is_file(),
+        "no example {name} at {}: build it with `cargo build -p fencedlease-elector --examples` \
+         (hack/test.sh builds every target), then rerun",
+        bin.display()
+    );
+    bin
+}
+
 /// The `fencedlease` binary the tests run: `$FENCEDLEASE_BIN` if set, else the one cargo built
 /// beside the running test (a test is target/<profile>/deps/<name>-<hash>, the binary
 /// target/<profile>/fencedlease; cargo builds a package's binaries before its integration tests).

@@ -42,6 +42,9 @@ pub enum Error {
     /// this is not expected).
     #[error("the watch on the FencedLease ended unexpectedly")]
     WatchEnded,
+    /// The elector's task panicked (a bug: please report it).
+    #[error("the elector's task panicked")]
+    Panicked,
 }
 
 impl Error {
@@ -50,6 +53,7 @@ impl Error {
         match self {
             Error::Timing(_) => "timing",
             Error::WatchEnded => "watch_ended",
+            Error::Panicked => "panicked",
         }
     }
 }
