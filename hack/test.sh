@@ -77,6 +77,12 @@ fi
 # --all-targets leaves out doc tests: the elector crate's documented examples must compile.
 log "elector crate doc tests"
 cargo test -p fencedlease-elector --doc -- "$@"
+# The crate as crates.io would take it (issue 35): its documentation without a warning, and a
+# dry-run publish (packs it and builds the package alone, from the registry's dependencies).
+# Alone, k8s-openapi needs a Kubernetes version chosen (a library leaves it to the program).
+log "elector crate: cargo doc (warnings denied) and cargo publish --dry-run"
+K8S_OPENAPI_ENABLED_VERSION=1.33 RUSTDOCFLAGS="-D warnings" cargo doc -p fencedlease-elector --no-deps --quiet
+K8S_OPENAPI_ENABLED_VERSION=1.33 cargo publish --dry-run -p fencedlease-elector --quiet
 # The compatibility subset on the oldest release we support, on a second local Kubernetes of
 # its own: the CRD, election, the controller, the fencing webhook, injection with the sidecar
 # as an ordinary container (no native sidecars before 1.29), the chart. (No node: the pods'

@@ -15,7 +15,7 @@
 //!    ([`new_write_id`]). A content type it cannot stamp (protobuf) fails with
 //!    [`FenceError::Unsupported`].
 //! 3. A delete of one object is announced first when the object is protected (it carries the
-//!    [`LEASE_LABEL`](crate::stamp::LEASE_LABEL)): a merge patch under the token that sets the
+//!    [`LEASE_LABEL`]): a merge patch under the token that sets the
 //!    delete intent ([`crate::stamp::announce_delete`]), then the delete, its
 //!    `preconditions.resourceVersion` (if any) moved to the announcement's version.
 //!
