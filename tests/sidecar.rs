@@ -12,6 +12,7 @@ use common::procs::{now_ns, scratch_dir};
 use common::sidecars::{curl, curl_with_secret, sidecar, Sidecar};
 use common::webhook::{free_port, Webhook};
 use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
+use fencedlease::stamp::LEASE_LABEL;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, PostParams};
@@ -451,39 +452,80 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
     create_protected(&cms, "inventory", &st, json!({"v": "0"})).await;
     // The app: plain kubectl with the kubeconfig the sidecar writes for its proxy (the proxy's
     // address and CA, the pod's secret), and no fencing token.
-    let app = |value: &str| {
-        let out = Command::new("kubectl")
+    let kubectl_via_proxy = |args: &[&str], stdin: Option<&str>| {
+        let mut child = Command::new("kubectl")
             .args(["--kubeconfig", &a.proxy_kubeconfig(), "-n", &ns.name])
-            .args([
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("kubectl");
+        if let (Some(text), Some(mut input)) = (stdin, child.stdin.take()) {
+            use std::io::Write as _;
+            input.write_all(text.as_bytes()).expect("kubectl's stdin");
+        }
+        let out = child.wait_with_output().expect("kubectl");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let app = |value: &str| {
+        let patch = format!("{{\"data\":{{\"v\":\"{value}\"}}}}");
+        kubectl_via_proxy(
+            &[
                 "patch",
                 "configmap",
                 "inventory",
                 "--type",
                 "merge",
                 "-p",
-                &format!("{{\"data\":{{\"v\":\"{value}\"}}}}"),
-            ])
-            .output()
-            .expect("kubectl");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
+                &patch,
+            ],
+            None,
         )
     };
+    let stored_v = || async {
+        let stored = cms.get("inventory").await.expect("get");
+        stored.data.and_then(|d| d.get("v").cloned())
+    };
+    // A JSON patch and a server-side apply (kubectl sends the applied configuration as JSON)
+    // are stamped too.
+    let json_patch = r#"[{"op":"replace","path":"/data/v","value":"j"}]"#;
+    let (ok, err) = kubectl_via_proxy(
+        &[
+            "patch",
+            "configmap",
+            "inventory",
+            "--type",
+            "json",
+            "-p",
+            json_patch,
+        ],
+        None,
+    );
+    assert!(ok, "a JSON patch through the leading pod's proxy: {err}");
+    assert_eq!(stored_v().await.as_deref(), Some("j"));
+    let applied = format!(
+        "{{\"apiVersion\":\"v1\",\"kind\":\"ConfigMap\",\"metadata\":{{\"name\":\"inventory\",\
+         \"labels\":{{\"{LEASE_LABEL}\":\"db\"}}}},\"data\":{{\"v\":\"s\"}}}}"
+    );
+    let (ok, err) = kubectl_via_proxy(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        Some(&applied),
+    );
+    assert!(
+        ok,
+        "a server-side apply through the leading pod's proxy: {err}"
+    );
+    assert_eq!(stored_v().await.as_deref(), Some("s"));
     let (ok, err) = app("1");
     assert!(
         ok,
         "the leading pod's write through the proxy must land: {err}"
     );
-    let stored = cms.get("inventory").await.expect("get");
-    assert_eq!(
-        stored
-            .data
-            .as_ref()
-            .and_then(|d| d.get("v"))
-            .map(String::as_str),
-        Some("1")
-    );
+    assert_eq!(stored_v().await.as_deref(), Some("1"));
     // pod-a steps down; pod-b leads; pod-a's proxy refuses the app's next write itself.
     let (code, _) = a.curl(&[
         "-X",
@@ -501,15 +543,7 @@ async fn the_api_proxy_fences_an_app_that_knows_nothing_of_tokens() {
         "a write through a non-leading pod's proxy must be refused"
     );
     assert!(err.contains("does not lead FencedLease"), "{err}");
-    let stored = cms.get("inventory").await.expect("get");
-    assert_eq!(
-        stored
-            .data
-            .as_ref()
-            .and_then(|d| d.get("v"))
-            .map(String::as_str),
-        Some("1")
-    );
+    assert_eq!(stored_v().await.as_deref(), Some("1"));
     // Reads still pass through.
     let out = Command::new("kubectl")
         .args([

@@ -332,11 +332,14 @@ func TestIntegrationAgainstRealSidecars(t *testing.T) {
 	cur.body["data"] = map[string]any{"v": "4"}
 	put, _ := json.Marshal(cur.body) // carries the stored write id: the Transport replaces it
 	e.mustWrite(t, "a stamped update", leaderRT, "PUT", e.cmPath("inv"), "application/json", string(put), 200)
+	e.mustWrite(t, "a stamped JSON patch", leaderRT, "PATCH", e.cmPath("inv"), "application/json-patch+json", `[{"op":"replace","path":"/data/v","value":"4"}]`, 200)
+	e.mustWrite(t, "a stamped server-side apply", leaderRT, "PATCH", e.cmPath("inv")+"?fieldManager=go-test&force=true", "application/apply-patch+yaml",
+		`{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"inv","labels":{"`+LeaseLabel+`":"`+e.lease+`"}},"data":{"v":"4"}}`, 200)
 	// What the Transport cannot stamp, and the follower's writes, are not sent at all.
-	_, err = e.kubeDo(leaderRT, "PATCH", e.cmPath("inv"), "application/json-patch+json", `[{"op":"replace","path":"/data/v","value":"x"}]`)
+	_, err = e.kubeDo(leaderRT, "PATCH", e.cmPath("inv"), "application/apply-patch+yaml", "metadata: {name: inv}")
 	var ue *UnstampableError
 	if !errors.As(err, &ue) {
-		t.Fatalf("a JSON patch: %v", err)
+		t.Fatalf("server-side apply in YAML: %v", err)
 	}
 	_, err = e.kubeDo(followerRT, "PATCH", e.cmPath("inv"), "application/merge-patch+json", `{"data":{"v":"follower"}}`)
 	if !errors.Is(err, ErrNotLeading) {

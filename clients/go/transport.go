@@ -12,6 +12,7 @@ import (
 	"mime"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 )
@@ -39,18 +40,20 @@ const MaxStampBodyBytes = 8 << 20
 
 // Transport is an http.RoundTripper for a Kubernetes API client. It adds the current token,
 // the lease UID and a new write id (the annotations [TokenAnnotation], [LeaseUIDAnnotation],
-// [WriteIDAnnotation]) to the JSON body of every create (POST), update (PUT), merge patch and
-// strategic merge patch, as the sidecar's API proxy does. A DELETE of a protected object is
+// [WriteIDAnnotation]) to the JSON body of every create (POST), update (PUT), merge patch,
+// strategic merge patch and server-side apply (application/apply-patch+yaml sent as JSON, as
+// client-go and controller-runtime send it), and appends three "add" operations to a JSON
+// patch (application/json-patch+json; they need metadata.annotations to exist, as it does on
+// every protected object, whose create presented a token). A DELETE of a protected object is
 // announced first, as the fencing webhook asks (a merge patch stamped with the token that sets
 // [DeleteIntentAnnotation] to its own write id), then sent; the Transport reads the object
 // (GET, limit=1) to know whether it is protected. Every write is sent only while this pod
 // leads: no write at all is sent while Source says it does not lead. Reads (GET, HEAD, OPTIONS) pass through untouched, watches included.
 //
 // What it cannot stamp it refuses, unsent, with an [*UnstampableError]: protobuf or YAML
-// bodies, JSON patches (application/json-patch+json: they can only add to what the object
-// holds, and a token under /metadata/annotations may or may not be there), server-side apply
-// (application/apply-patch+yaml), compressed bodies, bodies that are not a JSON object and
-// bodies larger than [MaxStampBodyBytes].
+// bodies (server-side apply in YAML included: send it as JSON), compressed bodies, bodies that
+// are not a JSON object (a JSON array for a JSON patch) and bodies larger than
+// [MaxStampBodyBytes].
 //
 // The token is asked of Source for every write, so a write never presents a token older than
 // the sidecar's latest view; a write that still races a loss of leadership is refused by the
@@ -108,10 +111,11 @@ func (e *UnstampableError) Error() string {
 type bodyKind int
 
 const (
-	passRead      bodyKind = iota // a read: untouched, no token needed
-	passWrite                     // a write without a body to stamp (DELETE): sent only while leading
-	stampJSON                     // a JSON object body: stamped
-	refuseUnknown                 // a body the Transport cannot stamp
+	passRead       bodyKind = iota // a read: untouched, no token needed
+	passWrite                      // a write without a body to stamp (DELETE): sent only while leading
+	stampJSON                      // a JSON object body: stamped
+	stampJSONPatch                 // a JSON patch: the stamp appended as "add" operations
+	refuseUnknown                  // a body the Transport cannot stamp
 )
 
 // kindOf decides by method and content type, as the sidecar's proxy does (src/sidecar/proxy.rs).
@@ -133,10 +137,14 @@ func kindOf(method, contentType string) (bodyKind, string) {
 		}
 		return refuseUnknown, "send creates and updates as application/json (with client-go: ContentType \"application/json\", not protobuf)"
 	case http.MethodPatch:
-		if ct == "application/merge-patch+json" || ct == "application/strategic-merge-patch+json" {
+		switch ct {
+		case "application/merge-patch+json", "application/strategic-merge-patch+json",
+			"application/apply-patch+yaml", "application/apply-patch+json":
 			return stampJSON, ""
+		case "application/json-patch+json":
+			return stampJSONPatch, ""
 		}
-		return refuseUnknown, "use a merge patch (application/merge-patch+json) or a strategic merge patch (application/strategic-merge-patch+json); JSON patches and server-side apply cannot be stamped"
+		return refuseUnknown, "use a JSON merge, strategic merge or JSON patch, or server-side apply in JSON"
 	default:
 		return passWrite, ""
 	}
@@ -197,7 +205,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, refuse("reading the body to stamp it: " + err.Error())
 		}
 	}
-	stamped, err := stamp(body, tok, newWriteID(tok))
+	stamper := stamp
+	if kind == stampJSONPatch {
+		stamper = stampPatch
+	}
+	stamped, err := stamper(body, tok, newWriteID(tok))
 	if err != nil {
 		return nil, refuse(err.Error() + "; the fencing annotations go in the JSON object's metadata.annotations")
 	}
@@ -300,6 +312,30 @@ func stamp(body []byte, tok Token, writeID string) ([]byte, error) {
 		return nil, err
 	}
 	return json.Marshal(obj)
+}
+
+// stampPatch appends to a JSON patch one "add" operation per fencing annotation (an add of an
+// existing member replaces it). The operations before them are kept byte for byte.
+func stampPatch(body []byte, tok Token, writeID string) ([]byte, error) {
+	var ops []json.RawMessage
+	if err := json.Unmarshal(body, &ops); err != nil || ops == nil {
+		return nil, errors.New("the body is not a JSON patch (a JSON array of operations)")
+	}
+	escape := strings.NewReplacer("~", "~0", "/", "~1")
+	for _, kv := range [][2]string{
+		{TokenAnnotation, tok.String()},
+		{LeaseUIDAnnotation, tok.LeaseUID},
+		{WriteIDAnnotation, writeID},
+	} {
+		op, err := json.Marshal(map[string]string{
+			"op": "add", "path": "/metadata/annotations/" + escape.Replace(kv[0]), "value": kv[1],
+		})
+		if err != nil {
+			return nil, err
+		}
+		ops = append(ops, op)
+	}
+	return json.Marshal(ops)
 }
 
 var (

@@ -144,6 +144,50 @@ func TestTransportStampsEveryBodyKindTheProxyStamps(t *testing.T) {
 	}
 }
 
+func TestTransportStampsServerSideApplyAndJSONPatches(t *testing.T) {
+	api := newAPIServer(t)
+	src := &countingSource{tok: Token{Value: 9, LeaseUID: "uid-9"}}
+	c := &http.Client{Transport: &Transport{Source: src}}
+	url := api.srv.URL + "/api/v1/namespaces/ns/configmaps/a"
+	apply := `{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"a","labels":{"fencedlease.io/lease":"db"}}}`
+	if _, err := send(t, c, url+"?fieldManager=m", "PATCH", "application/apply-patch+yaml", apply); err != nil {
+		t.Fatal(err)
+	}
+	patch := `[{"op":"replace","path":"/data/a~1b","value":"1"}]`
+	if _, err := send(t, c, url, "PATCH", "application/json-patch+json", patch); err != nil {
+		t.Fatal(err)
+	}
+	got := api.received()
+	if len(got) != 2 {
+		t.Fatalf("%d requests reached the server", len(got))
+	}
+	if ann := annotations(t, got[0].body); ann[TokenAnnotation] != "9" || ann[LeaseUIDAnnotation] != "uid-9" || ann[WriteIDAnnotation] == nil {
+		t.Fatalf("the applied configuration's annotations: %v", ann)
+	}
+	var ops []map[string]any
+	if err := json.Unmarshal(got[1].body, &ops); err != nil || len(ops) != 4 {
+		t.Fatalf("the JSON patch: %s (%v)", got[1].body, err)
+	}
+	if ops[0]["path"] != "/data/a~1b" || ops[0]["op"] != "replace" {
+		t.Fatalf("the app's operation changed: %v", ops[0])
+	}
+	want := map[string]string{
+		"/metadata/annotations/fencedlease.io~1token":     "9",
+		"/metadata/annotations/fencedlease.io~1lease-uid": "uid-9",
+	}
+	for _, op := range ops[1:] {
+		if op["op"] != "add" {
+			t.Fatalf("not an add: %v", op)
+		}
+		if v, ok := want[op["path"].(string)]; ok && op["value"] != v {
+			t.Fatalf("%v", op)
+		}
+	}
+	if ops[3]["path"] != "/metadata/annotations/fencedlease.io~1write-id" {
+		t.Fatalf("no write id: %v", ops[3])
+	}
+}
+
 func TestStampKeepsNumbersExact(t *testing.T) {
 	out, err := stamp([]byte(`{"spec":{"big":9007199254740993,"f":1.50},"metadata":{"name":"x"}}`), Token{Value: 3, LeaseUID: "u"}, "w")
 	if err != nil {
@@ -160,8 +204,8 @@ func TestTransportRefusesWhatItCannotStampUnsent(t *testing.T) {
 	c := &http.Client{Transport: &Transport{Source: src}}
 	url := api.srv.URL + "/api/v1/namespaces/ns/configmaps/a"
 	for _, tc := range []struct{ name, method, ct, body, why string }{
-		{"json patch", "PATCH", "application/json-patch+json", `[{"op":"add","path":"/data/x","value":"1"}]`, "JSON patches"},
-		{"server-side apply", "PATCH", "application/apply-patch+yaml", "metadata: {name: a}", "server-side apply"},
+		{"json patch not an array", "PATCH", "application/json-patch+json", `{"op":"add"}`, "not a JSON patch"},
+		{"server-side apply in YAML", "PATCH", "application/apply-patch+yaml", "metadata: {name: a}", "not a JSON object"},
 		{"protobuf", "POST", "application/vnd.kubernetes.protobuf", "k8s\x00", "not protobuf"},
 		{"yaml", "PUT", "application/yaml", "metadata: {name: a}", "application/json"},
 		{"not json", "POST", "application/json", `{"metadata":`, "not a JSON object"},

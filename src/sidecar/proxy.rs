@@ -25,6 +25,7 @@ use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 
 use crate::runtime::MAX_BODY_BYTES;
+use crate::stamp::BodyKind;
 
 /// Request header pinning a write to the tenure it was decided under: the token (a canonical
 /// decimal). The proxy stamps the current token on every write, so without a pin a request
@@ -144,28 +145,26 @@ impl Proxy {
 pub(super) enum Rewrite {
     /// Forward unchanged (a read, or a body we do not rewrite).
     Pass,
-    /// Add the token to this JSON body.
-    Stamp,
-    /// Refuse: JSON patches and apply patches cannot be stamped reliably.
+    /// Add the token to this JSON body, as its kind says.
+    Stamp(BodyKind),
+    /// Refuse: a body that cannot be stamped (protobuf, YAML).
     Unsupported(&'static str),
 }
 
-/// Decides by method and content type.
+/// Decides by method and content type ([`BodyKind::of`]: the same rule as the Rust client's
+/// layer and the Go Transport).
 pub(super) fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrite {
-    let ct = content_type
-        .unwrap_or("")
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim();
+    let ct = content_type.unwrap_or("");
     match *method {
-        Method::POST | Method::PUT => match ct {
-            "application/json" | "" => Rewrite::Stamp,
+        Method::POST | Method::PUT => match BodyKind::of(ct) {
+            Some(BodyKind::Object) => Rewrite::Stamp(BodyKind::Object),
             _ => Rewrite::Unsupported("send creates and updates as application/json"),
         },
-        Method::PATCH => match ct {
-            "application/merge-patch+json" | "application/strategic-merge-patch+json" => Rewrite::Stamp,
-            _ => Rewrite::Unsupported("use a merge patch (application/merge-patch+json) or a strategic merge patch through the proxy"),
+        Method::PATCH => match BodyKind::of(ct) {
+            Some(kind) => Rewrite::Stamp(kind),
+            None => Rewrite::Unsupported(
+                "send a JSON merge, strategic merge or JSON patch, or server-side apply in JSON",
+            ),
         },
         _ => Rewrite::Pass,
     }
@@ -173,16 +172,9 @@ pub(super) fn rewrite_for(method: &Method, content_type: Option<&str>) -> Rewrit
 
 pub(super) use crate::stamp::new_write_id;
 
-/// Adds the token annotations and a new write id to a JSON object body (a full object or a
-/// merge patch).
-pub(super) fn stamp(body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
-    crate::stamp::stamp_body(
-        crate::stamp::BodyKind::Object,
-        body,
-        token,
-        &new_write_id(token),
-    )
-    .map_err(|e| e.to_string())
+/// Adds the token annotations and a new write id to a body of `kind`.
+pub(super) fn stamp(kind: BodyKind, body: &[u8], token: &FencingToken) -> Result<Vec<u8>, String> {
+    crate::stamp::stamp_body(kind, body, token, &new_write_id(token)).map_err(|e| e.to_string())
 }
 
 /// The lease a stored object (or list: none) is protected by: its [`LEASE_LABEL`].
@@ -421,14 +413,14 @@ async fn upstream_body(
             "UnsupportedMediaType",
             format!("fencedlease sidecar: {why}"),
         )),
-        (Rewrite::Stamp, Some(t)) => stamp(&bytes, t).map_err(|e| {
+        (Rewrite::Stamp(kind), Some(t)) => stamp(kind, &bytes, t).map_err(|e| {
             status(
                 StatusCode::BAD_REQUEST,
                 "BadRequest",
                 format!("fencedlease sidecar: {e}"),
             )
         }),
-        (Rewrite::Stamp, None) => Ok(bytes.to_vec()),
+        (Rewrite::Stamp(_), None) => Ok(bytes.to_vec()),
     }
 }
 
@@ -613,31 +605,31 @@ mod tests {
         assert_eq!(rewrite_for(&Method::DELETE, None), Rewrite::Pass);
         assert_eq!(
             rewrite_for(&Method::POST, Some("application/json")),
-            Rewrite::Stamp
+            Rewrite::Stamp(BodyKind::Object)
         );
         assert_eq!(
             rewrite_for(&Method::PUT, Some("application/json; charset=utf-8")),
-            Rewrite::Stamp
+            Rewrite::Stamp(BodyKind::Object)
         );
         assert_eq!(
             rewrite_for(&Method::PATCH, Some("application/merge-patch+json")),
-            Rewrite::Stamp
+            Rewrite::Stamp(BodyKind::Object)
         );
         assert_eq!(
             rewrite_for(
                 &Method::PATCH,
                 Some("application/strategic-merge-patch+json")
             ),
-            Rewrite::Stamp
+            Rewrite::Stamp(BodyKind::Object)
         );
-        assert!(matches!(
+        assert_eq!(
             rewrite_for(&Method::PATCH, Some("application/json-patch+json")),
-            Rewrite::Unsupported(_)
-        ));
-        assert!(matches!(
+            Rewrite::Stamp(BodyKind::JsonPatch)
+        );
+        assert_eq!(
             rewrite_for(&Method::PATCH, Some("application/apply-patch+yaml")),
-            Rewrite::Unsupported(_)
-        ));
+            Rewrite::Stamp(BodyKind::Apply)
+        );
         assert!(matches!(
             rewrite_for(&Method::POST, Some("application/vnd.kubernetes.protobuf")),
             Rewrite::Unsupported(_)
@@ -656,8 +648,10 @@ mod tests {
             r#"{"metadata":{"annotations":null}}"#,
             r#"{"metadata":{"annotations":{"fencedlease.io/token":"1","x":"y"}}}"#,
         ] {
-            let out: Value =
-                serde_json::from_slice(&stamp(body.as_bytes(), &t).expect("stamp")).expect("json");
+            let out: Value = serde_json::from_slice(
+                &stamp(BodyKind::Object, body.as_bytes(), &t).expect("stamp"),
+            )
+            .expect("json");
             assert_eq!(out["metadata"]["annotations"][TOKEN_ANNOTATION], "9");
             assert_eq!(out["metadata"]["annotations"][LEASE_UID_ANNOTATION], "u1");
             ids.push(out["metadata"]["annotations"][WRITE_ID_ANNOTATION].clone());
@@ -678,7 +672,10 @@ mod tests {
             r#"{"metadata":3}"#,
             r#"{"metadata":{"annotations":[]}}"#,
         ] {
-            assert!(stamp(bad.as_bytes(), &t).is_err(), "{bad}");
+            assert!(
+                stamp(BodyKind::Object, bad.as_bytes(), &t).is_err(),
+                "{bad}"
+            );
         }
     }
 }
