@@ -64,6 +64,13 @@ PYTHONPATH=clients/python/src python3 -m unittest discover -s clients/python/tes
 command -v go >/dev/null || die "go not found: the Go client (clients/go) needs Go 1.24 or later on PATH (https://go.dev/dl)"
 log "Go client unit tests (clients/go; tests/client_go.rs runs its integration test against real sidecars)"
 (cd clients/go && go vet ./... && go test -count=1 ./...)
+# The in-process FencedLease lock and fenced client for client-go and controller-runtime
+# (clients/go/kube), and the controller-runtime sample (examples/controller-runtime): modules of
+# their own (client-go and controller-runtime come from the Go module proxy into Go's caches on
+# the first run). tests/adoption_controller_runtime.rs runs them against the real webhook.
+log "Go: clients/go/kube (unit tests) and examples/controller-runtime (vet)"
+(cd clients/go/kube && go vet ./... && go test -count=1 ./...)
+(cd examples/controller-runtime && go vet ./...)
 # Each integration test keeps its processes' logs in a scratch folder (tests/common/procs.rs) for
 # a failure's reading; the earlier runs' folders are of no more use.
 tmp="${TMPDIR:-/tmp}"
