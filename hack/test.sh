@@ -76,6 +76,10 @@ log "Go: clients/go/kube (unit tests) and examples/controller-runtime (vet)"
 tmp="${TMPDIR:-/tmp}"
 removed=$(find "$tmp" -maxdepth 1 -name 'fencedlease-test-*' -print -exec rm -rf {} + | wc -l)
 log "removed $removed earlier runs' test scratch folders from $tmp"
+# The sample operators the tests run as programs: `cargo test --all-targets` builds examples
+# as test harnesses, not as the programs tests/adoption_kube_runtime.rs starts.
+log "cargo build -p fencedlease-elector --examples (the kube-runtime sample operator)"
+cargo build -p fencedlease-elector --examples --quiet
 log "cargo test (integration tests use KUBECONFIG=$KUBECONFIG; component logs: $FL_CLUSTER_DIR/logs; each test's own in $tmp/fencedlease-test-*)"
 if ! cargo test --workspace --all-targets --no-fail-fast -- "$@"; then
   [ $started_cluster = 1 ] && log "cluster logs for the failure: $FL_CLUSTER_DIR/logs/"

@@ -11,6 +11,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -187,10 +188,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	if kind == passWrite {
 		if req.Method == http.MethodDelete {
-			if resp, err := announceDelete(base, req, tok); resp != nil || err != nil {
-				closeBody()
-				return resp, err
-			}
+			return deleteAnnounced(base, req, tok)
 		}
 		return base.RoundTrip(req)
 	}
@@ -221,12 +219,53 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return base.RoundTrip(out)
 }
 
+// deleteAnnounced sends the delete req asks for, announced first if its object is protected.
+// The caller's preconditions.resourceVersion guards the announcement (a merge patch naming a
+// resourceVersion is refused once the object moved on) and then moves to the announcement's
+// version, so the delete still happens only to the version the caller saw.
+func deleteAnnounced(base http.RoundTripper, req *http.Request, tok Token) (*http.Response, error) {
+	var body []byte
+	if req.Body != nil {
+		var err error
+		body, err = readBounded(req.Body, MaxStampBodyBytes)
+		req.Body.Close()
+		if err != nil {
+			return nil, fmt.Errorf("fencedlease: reading the delete's options, not sent: %w", err)
+		}
+	}
+	var options map[string]any
+	_ = json.Unmarshal(body, &options)
+	pre, _ := options["preconditions"].(map[string]any)
+	rv, _ := pre["resourceVersion"].(string)
+	resp, written, err := announceDelete(base, req, tok, rv)
+	if resp != nil || err != nil {
+		return resp, err
+	}
+	if written != "" && rv != "" {
+		pre["resourceVersion"] = written
+		if body, err = json.Marshal(options); err != nil {
+			return nil, err
+		}
+	}
+	out := req.Clone(req.Context())
+	out.Body = io.NopCloser(bytes.NewReader(body))
+	out.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	out.ContentLength = int64(len(body))
+	out.Header.Del("Content-Length")
+	if len(body) == 0 {
+		out.Body, out.GetBody = nil, nil
+	}
+	return base.RoundTrip(out)
+}
+
 // announceDelete announces the delete req asks for, if its object is protected: it reads the
-// object and sends the announcing merge patch, both through base with req's headers (its
+// object and sends the announcing merge patch (with the caller's query, dryRun included, and
+// resourceVersion rv as its precondition when set), both through base with req's headers (its
 // credentials). It returns a response only to answer req with it (the announcement's refusal);
-// nothing (nil, nil) to go on with the delete, which is also what an unreadable object or a
-// collection gets: the API server and the webhook answer the delete itself.
-func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http.Response, error) {
+// else the resourceVersion the announcement wrote ("" when there was nothing to announce: an
+// unprotected or unreadable object, or a collection, whose delete the API server and the
+// webhook answer themselves).
+func announceDelete(base http.RoundTripper, req *http.Request, tok Token, rv string) (*http.Response, string, error) {
 	get := req.Clone(req.Context())
 	get.Method, get.Body, get.GetBody, get.ContentLength = http.MethodGet, nil, nil, 0
 	get.Header.Del("Content-Type")
@@ -234,7 +273,7 @@ func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http
 	get.URL.RawQuery = "limit=1"
 	resp, err := base.RoundTrip(get)
 	if err != nil {
-		return nil, nil
+		return nil, "", nil
 	}
 	body, _ := readBounded(resp.Body, MaxStampBodyBytes)
 	resp.Body.Close()
@@ -244,15 +283,22 @@ func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http
 		} `json:"metadata"`
 	}
 	if resp.StatusCode != http.StatusOK || json.Unmarshal(body, &stored) != nil || stored.Metadata.Labels[LeaseLabel] == "" {
-		return nil, nil
+		return nil, "", nil
 	}
 	id := newWriteID(tok)
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
+	meta := map[string]any{"annotations": map[string]string{
 		TokenAnnotation: tok.String(), LeaseUIDAnnotation: tok.LeaseUID,
 		WriteIDAnnotation: id, DeleteIntentAnnotation: id,
-	}}})
+	}}
+	if rv != "" {
+		meta["resourceVersion"] = rv
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": meta})
 	p := req.Clone(req.Context())
 	p.Method, p.URL.RawQuery = http.MethodPatch, ""
+	if dry := req.URL.Query()["dryRun"]; len(dry) > 0 { // a dry-run delete announces in a dry run
+		p.URL.RawQuery = url.Values{"dryRun": dry}.Encode()
+	}
 	p.Body = io.NopCloser(bytes.NewReader(patch))
 	p.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(patch)), nil }
 	p.ContentLength = int64(len(patch))
@@ -260,14 +306,20 @@ func announceDelete(base http.RoundTripper, req *http.Request, tok Token) (*http
 	p.Header.Del("Content-Length")
 	resp, err = base.RoundTrip(p)
 	if err != nil {
-		return nil, fmt.Errorf("fencedlease: announcing the delete of %s, the delete was not sent: %w", req.URL.Redacted(), err)
+		return nil, "", fmt.Errorf("fencedlease: announcing the delete of %s, the delete was not sent: %w", req.URL.Redacted(), err)
 	}
-	if resp.StatusCode/100 == 2 {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, MaxStampBodyBytes))
-		resp.Body.Close()
-		return nil, nil
+	if resp.StatusCode/100 != 2 {
+		return resp, "", nil
 	}
-	return resp, nil
+	answer, _ := readBounded(resp.Body, MaxStampBodyBytes)
+	resp.Body.Close()
+	var written struct {
+		Metadata struct {
+			ResourceVersion string `json:"resourceVersion"`
+		} `json:"metadata"`
+	}
+	_ = json.Unmarshal(answer, &written)
+	return nil, written.Metadata.ResourceVersion, nil
 }
 
 // isNull says whether a raw JSON value is null.

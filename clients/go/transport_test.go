@@ -352,6 +352,8 @@ func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
 			_, _ = w.Write([]byte(`{"metadata":{"labels":{"app":"x"}}}`))
 		case r.Method == http.MethodGet:
 			_, _ = w.Write([]byte(`{"metadata":{"labels":{"fencedlease.io/lease":"db"}}}`))
+		case r.Method == http.MethodPatch && strings.HasSuffix(r.URL.Path, "/guarded"):
+			_, _ = w.Write([]byte(`{"metadata":{"resourceVersion":"42"}}`))
 		case r.Method == http.MethodPatch && strings.HasSuffix(r.URL.Path, "/refused"):
 			w.WriteHeader(http.StatusForbidden)
 			_, _ = w.Write([]byte(`{"kind":"Status","code":403,"message":"fencedlease: stale token 6"}`))
@@ -362,11 +364,11 @@ func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
 	defer srv.Close()
 	src := &countingSource{tok: Token{Value: 7, LeaseUID: "u1"}}
 	c := &http.Client{Transport: &Transport{Source: src}}
-	del := func(name string) (int, []recorded) {
+	delWith := func(name, options string) (int, []recorded) {
 		mu.Lock()
 		seen = nil
 		mu.Unlock()
-		req, _ := http.NewRequest(http.MethodDelete, srv.URL+"/api/v1/namespaces/n/configmaps/"+name, strings.NewReader(`{"propagationPolicy":"Background"}`))
+		req, _ := http.NewRequest(http.MethodDelete, srv.URL+"/api/v1/namespaces/n/configmaps/"+name, strings.NewReader(options))
 		req.Header.Set("Content-Type", "application/json")
 		resp, err := c.Do(req)
 		if err != nil {
@@ -377,6 +379,7 @@ func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
 		defer mu.Unlock()
 		return resp.StatusCode, append([]recorded(nil), seen...)
 	}
+	del := func(name string) (int, []recorded) { return delWith(name, `{"propagationPolicy":"Background"}`) }
 	methods := func(rs []recorded) string {
 		var m []string
 		for _, r := range rs {
@@ -408,6 +411,17 @@ func TestTransportAnnouncesTheDeleteOfAProtectedObject(t *testing.T) {
 	}
 	if code, rs := del("refused"); code != 403 || methods(rs) != "GET PATCH" {
 		t.Fatalf("refused announcement: %d %q", code, methods(rs))
+	}
+	// The caller's precondition guards the announcement, then moves to the version it wrote.
+	code, rs = delWith("guarded", `{"preconditions":{"resourceVersion":"7"}}`)
+	if code != 200 || methods(rs) != "GET PATCH DELETE" {
+		t.Fatalf("guarded: %d %q", code, methods(rs))
+	}
+	if !strings.Contains(string(rs[1].body), `"resourceVersion":"7"`) {
+		t.Fatalf("the announcement is not guarded by the caller's precondition: %s", rs[1].body)
+	}
+	if string(rs[2].body) != `{"preconditions":{"resourceVersion":"42"}}` {
+		t.Fatalf("the delete's precondition must move to the announcement's version: %s", rs[2].body)
 	}
 }
 

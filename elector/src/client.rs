@@ -11,7 +11,9 @@
 //!    checked ([`LeaderState::leading_token`]): after the tenure ended, or while following, the
 //!    write fails with [`FenceError::NotLeading`] and nothing is sent.
 //! 2. A body is stamped as [`stamp_body`] says for its content type (creates, updates, merge,
-//!    strategic merge and JSON patches, server-side apply), with a new write id
+//!    strategic merge and JSON patches, server-side apply, and the `/status` of built-in
+//!    types; a custom resource's `/status` keeps the stored metadata, so no token can be
+//!    presented there and the webhook refuses it), with a new write id
 //!    ([`new_write_id`]). A content type it cannot stamp (protobuf) fails with
 //!    [`FenceError::Unsupported`].
 //! 3. A delete of one object is announced first when the object is protected (it carries the
@@ -221,7 +223,11 @@ async fn stamped(req: Request<Body>, token: &FencingToken) -> Result<Request<Bod
 
 /// A delete of a protected object, announced: reads the object; if it carries the lease label,
 /// announces the delete under `token` and returns the delete with its precondition moved to the
-/// announcement's version. Other deletes (of unprotected objects, of collections) as they are.
+/// announcement's version. The caller's `preconditions.resourceVersion` guards the
+/// announcement itself (a merge patch naming a resourceVersion is refused if the object moved
+/// on), so the delete still happens only to the version the caller saw; a `dryRun` delete
+/// announces in a dry run. Other deletes (of unprotected objects, of
+/// collections) as they are.
 async fn announced_delete<S, B>(
     inner: S,
     token: &FencingToken,
@@ -234,42 +240,76 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let path = req.uri().path().to_string();
+    let (parts, body) = req.into_parts();
+    let bytes = body
+        .collect_bytes()
+        .await
+        .map_err(|e| FenceError::Body(e.into()))?;
+    let path = parts.uri.path().to_string();
     let announce = |why: String| FenceError::Announce {
         path: path.clone(),
         why,
     };
-    let stored = send_json(inner.clone(), Method::GET, req.uri(), None)
+    let as_sent = |parts, bytes| Ok(Request::from_parts(parts, Body::from(bytes)));
+    let stored = send_json(inner.clone(), Method::GET, &format!("{path}?limit=1"), None)
         .await
         .map_err(announce)?;
-    let Some(stored) = stored else {
-        return Ok(req); // gone already: the API server answers the delete itself
-    };
-    if stored["metadata"]["labels"][LEASE_LABEL].as_str().is_none() {
-        return Ok(req);
+    let protected = stored
+        .as_ref()
+        .is_some_and(|o| o["metadata"]["labels"][LEASE_LABEL].as_str().is_some());
+    if !protected {
+        return as_sent(parts, bytes); // unprotected, a collection, or gone already
     }
+    let mut options: serde_json::Value =
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    let precondition = options["preconditions"]["resourceVersion"]
+        .as_str()
+        .map(str::to_string);
     let id = new_write_id(token);
-    let patch = serde_json::json!({"metadata": {"annotations": {
+    let mut patch = serde_json::json!({"metadata": {"annotations": {
         TOKEN_ANNOTATION: token.generation.to_string(),
         LEASE_UID_ANNOTATION: token.lease_uid,
         WRITE_ID_ANNOTATION: id,
         DELETE_INTENT_ANNOTATION: id,
     }}});
-    let written = send_json(inner, Method::PATCH, req.uri(), Some(patch))
+    if let Some(rv) = &precondition {
+        patch["metadata"]["resourceVersion"] = serde_json::Value::String(rv.clone());
+    }
+    // Of the delete's query only dryRun goes with the announcement (a dry-run delete announces
+    // in a dry run); the rest (gracePeriodSeconds, propagationPolicy) is the delete's own.
+    let dry_run = parts
+        .uri
+        .query()
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter(|kv| kv.starts_with("dryRun="))
+        .collect::<Vec<_>>()
+        .join("&");
+    let target = if dry_run.is_empty() {
+        path.clone()
+    } else {
+        format!("{path}?{dry_run}")
+    };
+    let written = send_json(inner, Method::PATCH, &target, Some(patch))
         .await
         .map_err(announce)?
         .ok_or_else(|| announce("the object was deleted meanwhile".into()))?;
-    let rv = written["metadata"]["resourceVersion"]
-        .as_str()
-        .unwrap_or("");
-    with_precondition(req, rv).await
+    let Some(rv) = precondition.and(written["metadata"]["resourceVersion"].as_str()) else {
+        return as_sent(parts, bytes);
+    };
+    options["preconditions"]["resourceVersion"] = serde_json::Value::String(rv.to_string());
+    let mut parts = parts;
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let body = serde_json::to_vec(&options).map_err(|e| FenceError::Body(e.into()))?;
+    Ok(Request::from_parts(parts, Body::from(body)))
 }
 
-/// Sends a GET or a merge PATCH of `uri`; the object answered, `None` on 404, else why not.
+/// Sends a GET or a merge PATCH of `target` (a path and query); the object answered, `None`
+/// on 404, else why not.
 async fn send_json<S, B>(
     inner: S,
     method: Method,
-    uri: &http::Uri,
+    target: &str,
     patch: Option<serde_json::Value>,
 ) -> Result<Option<serde_json::Value>, String>
 where
@@ -279,8 +319,7 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let path = uri.path();
-    let mut builder = Request::builder().method(method).uri(path);
+    let mut builder = Request::builder().method(method).uri(target);
     let body = match patch {
         Some(p) => {
             builder = builder.header(header::CONTENT_TYPE, "application/merge-patch+json");
@@ -307,27 +346,6 @@ where
     serde_json::from_slice(&bytes)
         .map(Some)
         .map_err(|e| format!("the answer is not JSON: {e}"))
-}
-
-/// The delete with its DeleteOptions' `preconditions.resourceVersion` (if it has one) set to
-/// `rv`: the client's precondition held for the version before the announcement.
-async fn with_precondition(req: Request<Body>, rv: &str) -> Result<Request<Body>, FenceError> {
-    let (mut parts, body) = req.into_parts();
-    let bytes = body
-        .collect_bytes()
-        .await
-        .map_err(|e| FenceError::Body(e.into()))?;
-    let mut options: serde_json::Value = match serde_json::from_slice(&bytes) {
-        Ok(v) => v,
-        Err(_) => return Ok(Request::from_parts(parts, Body::from(bytes))),
-    };
-    if !options["preconditions"]["resourceVersion"].is_string() {
-        return Ok(Request::from_parts(parts, Body::from(bytes)));
-    }
-    options["preconditions"]["resourceVersion"] = serde_json::Value::String(rv.to_string());
-    let body = serde_json::to_vec(&options).map_err(|e| FenceError::Body(e.into()))?;
-    parts.headers.remove(header::CONTENT_LENGTH);
-    Ok(Request::from_parts(parts, Body::from(body)))
 }
 
 /// A `kube::Client` as a tower service (what [`StampLayer`] wraps in [`fenced_client`]).

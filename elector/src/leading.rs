@@ -13,6 +13,9 @@ use crate::lease::clock;
 use crate::lease::elector::{Elector, ElectorConfig, ElectorHandle, Error, LeaderState};
 use crate::lease::rules::FencingToken;
 
+/// How long the work may take to stop at shutdown while still leading (it is dropped then).
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// How often a tenure's end is looked at again while nothing changes (the deadline is on the
 /// elector's clock, which counts time suspended, and tokio's timers do not).
 const RECHECK: Duration = Duration::from_millis(500);
@@ -108,9 +111,17 @@ async fn next_tenure(
 /// Campaigns for the lease of `cfg` and runs `work` for each tenure, until `shutdown`
 /// completes; then releases the lease. The work of a tenure is dropped when the tenure ends
 /// (at the latest at its validity's end, a safety margin before anyone else may take over); at
-/// shutdown it is told so ([`Tenure::stopping`]) and awaited until it returns or the tenure
-/// ends, whichever comes first, and only then is the lease released. Work that returns early
-/// is started again at the next tenure, not in this one.
+/// shutdown it is told so ([`Tenure::stopping`]) and awaited until it returns, the tenure ends
+/// or [`SHUTDOWN_GRACE`] passes, whichever comes first, and only then is the lease released.
+/// Work that returns on its own while still leading releases the lease (nothing would act on
+/// it any more): another participant takes over, and this one campaigns again after a lease
+/// duration, to start the work afresh in its next tenure.
+///
+/// A tenure can also end by a release the elector writes itself (a handover to
+/// `spec.preferredHolder`, [`ElectorHandle::request_release`], or
+/// [`ElectorHandle::set_eligible`]`(false)`): the work is then dropped at once, but the release
+/// may reach the API server first. Writes stay fenced (the release moves the token on); side
+/// effects outside Kubernetes are the work's to guard with the token.
 ///
 /// `on_handle` gets the elector's handle before the campaign starts, e.g. for
 /// [`fenced_client`](crate::client::fenced_client) or metrics.
@@ -142,6 +153,7 @@ where
 {
     let (elector, handle) = Elector::new(client, cfg)?;
     on_handle(&handle);
+    let release = handle.clone();
     // Two stops: the work's first, the elector's (which releases the lease) after it.
     let (stop_work, stop) = watch::channel(false);
     let (stop_elector, mut elector_stopped) = watch::channel(false);
@@ -160,16 +172,20 @@ where
         let run = work(tenure);
         tokio::pin!(run);
         let shut = tokio::select! {
-            () = &mut run => tokio::select! {
-                () = this.ended() => false,
-                _ = &mut shutdown => true,
-            },
+            () = &mut run => {
+                release.request_release();
+                tokio::select! {
+                    () = this.ended() => false,
+                    _ = &mut shutdown => true,
+                }
+            }
             () = this.ended() => false,
             _ = &mut shutdown => {
                 let _ = stop_work.send(true);
                 tokio::select! {
                     () = &mut run => {}
                     () = this.ended() => {}
+                    () = tokio::time::sleep(SHUTDOWN_GRACE) => {}
                 }
                 true
             }

@@ -97,7 +97,9 @@ pub enum BodyKind {
     Object,
     /// A server-side apply (`application/apply-patch+yaml`): the same, in the applied
     /// configuration, so that this field manager owns the stamp it sends. Only JSON is read
-    /// (what kube-rs and client-go send; YAML is refused with a clear error).
+    /// (what kube-rs and client-go send; YAML is refused with a clear error). Apply with
+    /// force: the write id changes with every write, so after another manager's stamped
+    /// update an apply that does not force conflicts on the three annotations.
     Apply,
     /// A JSON patch (`application/json-patch+json`): three `add` operations are appended, one
     /// per annotation. They need `metadata.annotations` to exist, as it does on every

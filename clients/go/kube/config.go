@@ -11,7 +11,9 @@ import (
 // WrapConfig is a copy of cfg whose every write is stamped with the token of lock's current
 // tenure, and refused unsent (an error matching [fencedlease.ErrNotLeading]) while this
 // process does not lead: creates, updates, merge, strategic merge and JSON patches, server-side
-// apply in JSON, status writes; a delete of a protected object is announced first. Reads and
+// apply in JSON (apply with force: the write id changes with every write), the /status of
+// built-in types (a custom resource's /status keeps the stored metadata: no token can be
+// presented there); a delete of a protected object is announced first. Reads and
 // watches pass untouched. Requests are sent as JSON (protobuf cannot be stamped). Use it for
 // the writes a leader makes; the lock itself and the watches need no wrapping.
 func WrapConfig(cfg *rest.Config, lock *Lock) *rest.Config {

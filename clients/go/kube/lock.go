@@ -47,12 +47,17 @@ type Lock struct {
 	mu     sync.Mutex
 	seen   *unstructured.Unstructured // the lease as last read or written
 	tenure *tenure                    // this process's current tenure, if any
-	now    func() time.Time
+	// When the holder's renewTime and the preferred holder last changed, on [boottime]: a
+	// lease naming this identity from another process is taken over only once it stops
+	// renewing for a lease duration, and a handover waits for the preferred holder as long.
+	renewSeen, preferredSeen     string
+	renewSeenAt, preferredSeenAt time.Duration
+	now                          func() time.Duration
 }
 
 type tenure struct {
 	token      fencedlease.Token
-	validUntil time.Time // on the monotonic clock (time.Now keeps one)
+	validUntil time.Duration // on [boottime]: time suspended counts, as the Rust elector's does
 }
 
 // NewLock is the lock of FencedLease namespace/name for identity, through cfg's API server.
@@ -70,7 +75,7 @@ func NewLock(cfg *rest.Config, namespace, name, identity string) (*Lock, error) 
 		namespace: namespace, name: name, identity: identity,
 		leases:      dc.Resource(FencedLeases).Namespace(namespace),
 		incarnation: hex.EncodeToString(b),
-		now:         time.Now,
+		now:         boottime,
 	}, nil
 }
 
@@ -99,15 +104,22 @@ func (l *Lock) Get(ctx context.Context) (*resourcelock.LeaderElectionRecord, []b
 	}
 	l.saw(obj)
 	rec := recordOf(obj)
+	// The record and the exact renewTime (the record's times have whole seconds), not the
+	// resourceVersion: the controller's own status writes (conditions) move that but are no
+	// renewal, and must not restart client-go's expiry clock.
+	renewed, _, _ := unstructured.NestedString(obj.Object, "status", "renewTime")
 	raw, err := json.Marshal(struct {
-		Record          resourcelock.LeaderElectionRecord
-		ResourceVersion string
-	}{rec, obj.GetResourceVersion()})
+		Record    resourcelock.LeaderElectionRecord
+		RenewTime string
+	}{rec, renewed})
 	return &rec, raw, err
 }
 
 // Create makes the lease held by ler.HolderIdentity (this participant) and records the tenure.
 func (l *Lock) Create(ctx context.Context, ler resourcelock.LeaderElectionRecord) error {
+	if err := checkDuration(ler); err != nil {
+		return err
+	}
 	obj := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "fencedlease.io/v1alpha1",
 		"kind":       "FencedLease",
@@ -138,13 +150,27 @@ func (l *Lock) Update(ctx context.Context, ler resourcelock.LeaderElectionRecord
 	if ler.HolderIdentity == "" {
 		return l.release(ctx, cur)
 	}
+	if err := checkDuration(ler); err != nil {
+		return err
+	}
 	holder, _, _ := unstructured.NestedString(cur.Object, "spec", "holderIdentity")
+	preferred, _, _ := unstructured.NestedString(cur.Object, "spec", "preferredHolder")
 	if holder == ler.HolderIdentity && held {
+		if preferred != "" && preferred != l.identity {
+			// A handover asked for: step down (a new token), so the preferred holder takes over.
+			if err := l.release(ctx, cur); err != nil {
+				return err
+			}
+			return fmt.Errorf("fencedkube: handed %s over to %q (spec.preferredHolder)", l.Describe(), preferred)
+		}
 		return l.renew(ctx, cur, ler, false)
 	}
+	if err := l.mayAcquire(cur, holder, preferred); err != nil {
+		return err
+	}
 	if holder == ler.HolderIdentity {
-		// Named from an earlier run of this identity: clear it first, so that this process
-		// leads under a new token (a reused identity never inherits a token).
+		// Named from an earlier tenure of this process: clear it first, so that it leads under
+		// a new token (a reused identity never inherits a token).
 		cleared, err := l.writeHolder(ctx, cur, "")
 		if err != nil {
 			return err
@@ -162,8 +188,38 @@ func (l *Lock) Update(ctx context.Context, ler resourcelock.LeaderElectionRecord
 	return l.renew(ctx, acquired, ler, true)
 }
 
-// writeHolder sets spec.holderIdentity (clearing the preferred holder, which had its chance)
-// with the object's resourceVersion as precondition.
+// mayAcquire refuses what the FencedLease protocol does not allow a candidate, where
+// client-go would go ahead: a lease naming this identity from another process that still
+// renews it (client-go compares names only), and a handover to another preferred holder that
+// has not had a lease duration to take over.
+func (l *Lock) mayAcquire(cur *unstructured.Unstructured, holder, preferred string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	wait := time.Duration(recordOf(cur).LeaseDurationSeconds) * time.Second
+	now := l.now()
+	if holder == l.identity && cur.GetAnnotations()[incarnationAnnotation] != l.incarnation && now-l.renewSeenAt < wait {
+		return fmt.Errorf("fencedkube: %s names this identity, held by another process (incarnation %q) that renewed it %v ago; waiting for it to expire (%v)",
+			l.Describe(), cur.GetAnnotations()[incarnationAnnotation], (now - l.renewSeenAt).Round(time.Millisecond), wait)
+	}
+	if preferred != "" && preferred != l.identity && now-l.preferredSeenAt < wait {
+		return fmt.Errorf("fencedkube: %s is handed over to %q (spec.preferredHolder); others may take it only after %v", l.Describe(), preferred, wait)
+	}
+	return nil
+}
+
+// checkDuration refuses a lease duration the CRD does not take (1 to 3600 s).
+func checkDuration(ler resourcelock.LeaderElectionRecord) error {
+	if ler.LeaseDurationSeconds > maxLeaseSeconds {
+		return fmt.Errorf("fencedkube: a lease duration of %d s is longer than a FencedLease takes (%d s)", ler.LeaseDurationSeconds, maxLeaseSeconds)
+	}
+	return nil
+}
+
+// maxLeaseSeconds is the longest spec.leaseDurationSeconds the CRD takes (elector/src/api.rs).
+const maxLeaseSeconds = 3600
+
+// writeHolder sets or clears spec.holderIdentity (an acquisition also clears the preferred
+// holder, which had its chance) with the object's resourceVersion as precondition.
 func (l *Lock) writeHolder(ctx context.Context, cur *unstructured.Unstructured, holder string) (*unstructured.Unstructured, error) {
 	obj := cur.DeepCopy()
 	ann := obj.GetAnnotations()
@@ -176,8 +232,9 @@ func (l *Lock) writeHolder(ctx context.Context, cur *unstructured.Unstructured, 
 	} else {
 		_ = unstructured.SetNestedField(obj.Object, holder, "spec", "holderIdentity")
 		ann[incarnationAnnotation] = l.incarnation
+		// The preferred holder had its chance (or is us): nobody steps down again for it.
+		unstructured.RemoveNestedField(obj.Object, "spec", "preferredHolder")
 	}
-	unstructured.RemoveNestedField(obj.Object, "spec", "preferredHolder")
 	obj.SetAnnotations(ann)
 	out, err := l.leases.Update(ctx, obj, metav1.UpdateOptions{})
 	if err != nil {
@@ -204,8 +261,8 @@ func (l *Lock) renew(ctx context.Context, cur *unstructured.Unstructured, ler re
 	if status == nil {
 		status = map[string]any{}
 	}
-	now := l.now()
-	stamp := now.UTC().Format(time.RFC3339Nano)
+	sent := l.now()
+	stamp := time.Now().UTC().Format(time.RFC3339Nano)
 	if prev, _ := status["holderIdentity"].(string); first || prev != l.identity {
 		status["acquireTime"] = stamp
 		if prev != "" && prev != l.identity {
@@ -227,7 +284,7 @@ func (l *Lock) renew(ctx context.Context, cur *unstructured.Unstructured, ler re
 	}
 	l.saw(out)
 	l.mu.Lock()
-	l.tenure = &tenure{token: token, validUntil: now.Add(validity(time.Duration(duration) * time.Second))}
+	l.tenure = &tenure{token: token, validUntil: sent + validity(time.Duration(duration)*time.Second)}
 	l.mu.Unlock()
 	return nil
 }
@@ -245,8 +302,8 @@ func validity(lease time.Duration) time.Duration {
 func (l *Lock) release(ctx context.Context, cur *unstructured.Unstructured) error {
 	l.forget()
 	holder, _, _ := unstructured.NestedString(cur.Object, "spec", "holderIdentity")
-	if holder != l.identity {
-		return nil
+	if holder != l.identity || cur.GetAnnotations()[incarnationAnnotation] != l.incarnation {
+		return nil // not ours: another holder, or this identity in another process
 	}
 	_, err := l.writeHolder(ctx, cur, "")
 	return err
@@ -258,20 +315,42 @@ func (l *Lock) forget() {
 	l.mu.Unlock()
 }
 
+// saw takes in the lease as read or written: the tenure lasts while the lease names this
+// identity, this process (its incarnation) and the lease the token is of; a spec edit within
+// it (a new lease duration) moves the token on, and the tenure adopts it, as the Rust elector
+// does. It also notes when the holder's renewals and the preferred holder last changed.
 func (l *Lock) saw(obj *unstructured.Unstructured) {
+	holder, _, _ := unstructured.NestedString(obj.Object, "spec", "holderIdentity")
+	renewed, _, _ := unstructured.NestedString(obj.Object, "status", "renewTime")
+	preferred, _, _ := unstructured.NestedString(obj.Object, "spec", "preferredHolder")
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	l.seen = obj
-	if holder, _, _ := unstructured.NestedString(obj.Object, "spec", "holderIdentity"); holder != l.identity {
-		l.tenure = nil // lost: someone else holds it, or nobody
+	now := l.now()
+	if key := holder + "/" + renewed; key != l.renewSeen {
+		l.renewSeen, l.renewSeenAt = key, now
 	}
-	l.mu.Unlock()
+	if preferred != l.preferredSeen {
+		l.preferredSeen, l.preferredSeenAt = preferred, now
+	}
+	ours := holder == l.identity && obj.GetAnnotations()[incarnationAnnotation] == l.incarnation
+	if l.tenure == nil {
+		return
+	}
+	if !ours || string(obj.GetUID()) != l.tenure.token.LeaseUID {
+		l.tenure = nil // lost: someone else holds it, nobody does, or the lease was replaced
+		return
+	}
+	if g := obj.GetGeneration(); g > l.tenure.token.Value {
+		l.tenure.token.Value = g
+	}
 }
 
 // Token is the current tenure's token while it is valid; else a [*fencedlease.NotLeadingError].
 func (l *Lock) Token(context.Context) (fencedlease.Token, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.tenure != nil && l.now().Before(l.tenure.validUntil) {
+	if l.tenure != nil && l.now() < l.tenure.validUntil {
 		return l.tenure.token, nil
 	}
 	holder := ""

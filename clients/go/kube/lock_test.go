@@ -9,6 +9,8 @@ import (
 
 	fencedlease "github.com/fencedlease/fencedlease/clients/go"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/leaderelection"
@@ -122,25 +124,91 @@ func TestIntegrationLockMeetsClientGosExpectations(t *testing.T) {
 	if _, err := a.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
 		t.Fatalf("a replaced holder still has a token: %v", err)
 	}
-	// The same identity in a new process (a restart): never the old token.
+	// A spec edit within the tenure (a new lease duration) moves the token on; b adopts it.
+	patch := []byte(`{"spec":{"leaseDurationSeconds":6}}`)
+	if _, err := b.leases.Patch(ctx, "lock", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b.Get(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if edited := mustToken(t, b); edited.Value <= second.Value {
+		t.Fatalf("after a spec edit b still presents %v", edited)
+	}
+	if err := b.Update(ctx, resourcelock.LeaderElectionRecord{HolderIdentity: "b", LeaseDurationSeconds: 6}); err != nil {
+		t.Fatalf("renewal after a spec edit: %v", err)
+	}
+	second = mustToken(t, b)
+	// The same identity in another process (a restart, or a second replica given the same
+	// name): client-go, comparing names, takes it for a renewal; the lock waits until the other
+	// process stops renewing for a lease duration, then leads under a new token.
 	b2 := lock(t, cfg, ns, "lock", "b")
 	if _, _, err := b2.Get(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := b2.Update(ctx, resourcelock.LeaderElectionRecord{HolderIdentity: "b", LeaseDurationSeconds: 5}); err != nil {
-		t.Fatalf("a restarted b: %v", err)
+	record := resourcelock.LeaderElectionRecord{HolderIdentity: "b", LeaseDurationSeconds: 6}
+	if err := b2.Update(ctx, record); err == nil {
+		t.Fatal("a second process of identity b took over a lease its first process still renews")
+	}
+	clock := b2.now
+	b2.now = func() time.Duration { return clock() + 6*time.Second } // b stopped renewing since
+	if err := b2.Update(ctx, record); err != nil {
+		t.Fatalf("b's new process, once b's lease ran out: %v", err)
 	}
 	if third := mustToken(t, b2); third.Value <= second.Value {
 		t.Fatalf("a reused identity inherited token %v (had %v)", third, second)
 	}
+	// The first process learns it and neither renews nor releases the newcomer's tenure.
+	if _, _, err := b.Get(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
+		t.Fatalf("the replaced process of b still has a token: %v", err)
+	}
+	if err := b.Update(ctx, resourcelock.LeaderElectionRecord{LeaseDurationSeconds: 1}); err != nil {
+		t.Fatalf("the replaced process's release: %v", err)
+	}
+	if got, _, _ := b2.Get(ctx); got.HolderIdentity != "b" {
+		t.Fatalf("the replaced process released the newcomer's lease: %+v", got)
+	}
+	mustToken(t, b2)
 	// Release, as client-go does with ReleaseOnCancel.
-	if err := b2.Update(ctx, resourcelock.LeaderElectionRecord{LeaseDurationSeconds: 1}); err != nil {
-		t.Fatalf("release: %v", err)
+	// A handover asked for (spec.preferredHolder): the holder steps down at its next renewal.
+	handover := []byte(`{"spec":{"preferredHolder":"c"}}`)
+	if _, err := b2.leases.Patch(ctx, "lock", types.MergePatchType, handover, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b2.Get(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := b2.Update(ctx, record); err == nil {
+		t.Fatal("the holder renewed over a handover to c")
 	}
 	if got, _, _ := b2.Get(ctx); got.HolderIdentity != "" {
+		t.Fatalf("handed over, but held by %q", got.HolderIdentity)
+	}
+	// Others wait for c (a lease duration); c takes it at once.
+	if _, _, err := a.Get(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Update(ctx, resourcelock.LeaderElectionRecord{HolderIdentity: "a", LeaseDurationSeconds: 6}); err == nil {
+		t.Fatal("a took a lease handed over to c")
+	}
+	c := lock(t, cfg, ns, "lock", "c")
+	if _, _, err := c.Get(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Update(ctx, resourcelock.LeaderElectionRecord{HolderIdentity: "c", LeaseDurationSeconds: 6}); err != nil {
+		t.Fatalf("the preferred holder: %v", err)
+	}
+	mustToken(t, c)
+	if err := c.Update(ctx, resourcelock.LeaderElectionRecord{LeaseDurationSeconds: 1}); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if got, _, _ := c.Get(ctx); got.HolderIdentity != "" {
 		t.Fatalf("released, but held by %q", got.HolderIdentity)
 	}
-	if _, err := b2.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
+	if _, err := c.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
 		t.Fatalf("a token after release: %v", err)
 	}
 }
