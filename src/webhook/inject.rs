@@ -566,9 +566,12 @@ fn sidecar(o: &Options, cfg: &InjectConfig, resources: Value) -> Value {
             {"name": crate::runtime::logging::FORMAT_ENV, "value": cfg.log_format.as_str()},
         ],
         "resources": resources,
+        // Everything Pod Security's `restricted` level asks of a container, seccomp included:
+        // an app that meets the level stays within it once the sidecar is added.
         "securityContext": {
             "runAsNonRoot": true, "readOnlyRootFilesystem": true,
             "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
         "volumeMounts": [{"name": VOLUME, "mountPath": TOKEN_DIR}],
         // Named for the chart's PodMonitor: /metrics there leaves the token out.
@@ -822,6 +825,7 @@ mod tests {
         assert_eq!(sc["runAsNonRoot"], true);
         assert_eq!(sc["readOnlyRootFilesystem"], true);
         assert_eq!(sc["allowPrivilegeEscalation"], false);
+        assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
         assert!(cs[1]["resources"]["limits"]["memory"].is_string());
         // Probes: readiness over HTTP on the probe port (it fails while the pod is frozen);
         // liveness from inside, on the loopback API.

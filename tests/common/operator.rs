@@ -232,10 +232,36 @@ impl Injected {
 
     /// [`Injected::start`] with a lease of `lease_seconds`.
     pub async fn start_with_lease(prefix: &str, lease_seconds: u64) -> Injected {
+        Injected::start_labelled(prefix, lease_seconds, json!({})).await
+    }
+
+    /// [`Injected::start`] in a namespace that enforces Pod Security's `restricted` level: the
+    /// chart's pods and the injected pods must meet it.
+    pub async fn start_restricted(prefix: &str) -> Injected {
+        let restricted = json!({
+            "pod-security.kubernetes.io/enforce": "restricted",
+            "pod-security.kubernetes.io/enforce-version": "latest",
+        });
+        Injected::start_labelled(prefix, LEASE_SECONDS, restricted).await
+    }
+
+    async fn start_labelled(
+        prefix: &str,
+        lease_seconds: u64,
+        labels: serde_json::Value,
+    ) -> Injected {
         let client = client().await;
         ready_node(&client).await;
         ensure_crd();
         let ns = TestNamespace::new(&client, prefix).await;
+        Api::<Namespace>::all(client.clone())
+            .patch(
+                &ns.name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": labels}})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("labelling namespace {}: {e}", ns.name));
         opt_in_to_injection(&client, &ns.name).await;
         // One operator replica is enough here (the helm test runs the default two).
         let release = Release::install_on_node(&ns, "fl", &["--set", "replicas=1"]);
