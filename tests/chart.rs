@@ -1202,10 +1202,16 @@ async fn install_upgrade_and_uninstall_leave_nothing_but_the_crd() {
             "helm upgrade removed the caBundle of {kind}/{name}"
         );
     }
-    // An upgrade with Helm 3's client-side three-way merge keeps it too.
+    // An upgrade with Helm 3's client-side three-way merge keeps it too. `--set` resets the
+    // other values to the chart's, so NOT_STARTED again: with the default image tag, a node that
+    // has the image would start the controller, which writes its real CA over the test's.
     release.run(
         "upgrade",
-        &["--server-side=false", "--set", "fencing.timeoutSeconds=6"],
+        &[
+            NOT_STARTED,
+            &["--server-side=false", "--set", "fencing.timeoutSeconds=6"],
+        ]
+        .concat(),
     );
     assert_eq!(
         jsonpath(
