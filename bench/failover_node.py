@@ -38,12 +38,12 @@ from pathlib import Path
 
 import lib
 from failover import PREFIX, controller_report, create_leases, finish, start_controller
-from lib import Kube, log, now_ns, stats, step
+from lib import Kube, log, now_ns, stats, step, version
 from systems import OURS_OPT_OUT, SYSTEMS, is_ours, peer_timings
 
 SCENARIO = "exited"
 PAUSE_IMAGE = "localhost/fencedlease/pause:3.4"  # hack/node.sh imports it
-OURS_IMAGE = "fencedlease:0.1.0"  # hack/image.sh
+OURS_IMAGE = f"fencedlease:{version()}"  # hack/image.sh
 SIDECAR = "fencedlease"  # the injected container (src/webhook/inject.rs CONTAINER)
 PEER_CONTAINER = "campaign"
 ROLE_LABEL = "fencedlease.io/role"

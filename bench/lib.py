@@ -50,6 +50,13 @@ _step_started = time.monotonic()
 _lock = threading.Lock()
 
 
+def version() -> str:
+    """The project's one version: Cargo.toml's [workspace.package] version."""
+    import tomllib
+    with open(REPO / "Cargo.toml", "rb") as f:
+        return tomllib.load(f)["workspace"]["package"]["version"]
+
+
 def log(msg: str) -> None:
     global _last_print
     with _lock:

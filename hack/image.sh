@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds the project's container image, fencedlease:0.1.0, with no Docker and no registry, and
+# Builds the project's container image, fencedlease:VERSION, with no Docker and no registry, and
 # imports it into the local node's containerd (hack/node.sh) when that runs.
 #
 #   hack/image.sh            build (cargo build --release only when the binary is missing or
 #                            older than the sources), write the archive, import it
 #   FL_IMAGE_ROLE=sidecar hack/image.sh
-#                            the same for the sidecar's image, fencedlease-sidecar:0.1.0 (the chart's
+#                            the same for the sidecar's image, fencedlease-sidecar:VERSION (the chart's
 #                            injection.sidecar.image): the sidecar's build (Cargo.toml: the
 #                            workload-side commands only, profile sidecar; see hack/lib.sh's
 #                            sidecar_binary), built the same way when missing or older
@@ -15,17 +15,20 @@
 # carries that same glibc, so they match), /etc/passwd and /etc/group with user 65532
 # (nonroot), a 1777 /tmp, and /var/run/fencedlease owned by 65532 (the sidecar's token folder).
 # It runs as 65532:65532 with entrypoint /usr/local/bin/fencedlease. Pods use it with
-# `image: fencedlease:0.1.0` and `imagePullPolicy: Never` (or IfNotPresent): there is no registry.
+# `image: fencedlease:VERSION` and `imagePullPolicy: Never` (or IfNotPresent): there is no registry.
 #
-# Output: target/image/fencedlease-0.1.0.tar (fencedlease-sidecar-0.1.0.tar), a docker-archive (manifest.json + config JSON +
-# one layer tar); reproducible for the same binary. Idempotent.
+# Output: target/image/fencedlease-VERSION.tar (fencedlease-sidecar-VERSION.tar), a docker-archive (manifest.json + config JSON +
+# one layer tar), and the same image as an OCI image layout in target/image/fencedlease-VERSION.oci/
+# (what hack/release.sh pushes); reproducible for the same binary. Idempotent.
+# FL_IMAGE_IMPORT=0 skips the import into the node's containerd.
 set -euo pipefail
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
 # shellcheck source=hack/node/image-lib.sh
 source "$(dirname "$0")/node/image-lib.sh"
 
-VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$FL_REPO/Cargo.toml" | head -n1)
+# FL_IMAGE_VERSION=V tags the image V (hack/release.sh); the default is Cargo.toml's version.
+VERSION="${FL_IMAGE_VERSION:-$(fl_version)}"
 # FL_IMAGE_PROFILE=debug packages the debug binary the tests build (CI does, to spare a
 # release build); the default is release.
 PROFILE="${FL_IMAGE_PROFILE:-release}"
@@ -98,7 +101,9 @@ config_id=$(docker_archive "$ARCHIVE" "$REF" "$rootfs" "$UID_NONROOT:$UID_NONROO
 rm -rf "$rootfs"
 log "image $REF written to $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1), config sha256:${config_id:0:12}, libraries: $(echo "$libs" | tr '\n' ',' | sed 's/,$//'))"
 
-if node_containerd_running; then
+if [ "${FL_IMAGE_IMPORT:-1}" = 0 ]; then
+  log "not imported (FL_IMAGE_IMPORT=0); OCI layout: ${ARCHIVE%.tar}.oci"
+elif node_containerd_running; then
   import_archive "$ARCHIVE" "$REF"
   log "imported into the node's containerd as docker.io/library/$REF (pods: image: $REF, imagePullPolicy: Never)"
 else

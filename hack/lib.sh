@@ -10,6 +10,18 @@ FL_K8S_VERSION="${FL_K8S_VERSION:-$FL_K8S_DEFAULT_VERSION}"
 FL_CACHE="${FENCEDLEASE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fencedlease}"
 FL_CLUSTER_DIR="${FENCEDLEASE_CLUSTER_DIR:-/tmp/fencedlease-cluster}"
 FL_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The test bed's OCI registry (hack/registry.sh): plain HTTP on loopback. The node's containerd
+# (hack/node.sh) is told to pull from it over HTTP; hack/release.sh pushes to it.
+FL_REGISTRY="${FENCEDLEASE_REGISTRY:-127.0.0.1:5151}"
+
+# The previous release, which the upgrade test (tests/release.rs) installs before upgrading to
+# this tree: its version, and the commit its tag v$FL_PREVIOUS_VERSION points at (kept here too,
+# since a clone may come without tags).
+FL_PREVIOUS_VERSION=0.1.0
+FL_PREVIOUS_COMMIT=d2ff91af05f8fe9bf2cf1c79e91966f41ab62b07
+
+# fl_version: the project's one version (Cargo.toml's [workspace.package] version).
+fl_version() { sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' "$FL_REPO/Cargo.toml"; }
 
 # log MESSAGE...: a timestamped progress line on stderr.
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

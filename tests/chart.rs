@@ -321,7 +321,7 @@ fn rendered_objects_follow_the_design() {
             "--metrics-addr",
             "0.0.0.0:9091",
             "--sidecar-image",
-            "fencedlease-sidecar:0.1.0",
+            concat!("fencedlease-sidecar:", env!("CARGO_PKG_VERSION")),
             "--sidecar-image-pull-policy",
             "IfNotPresent",
             r#"--sidecar-resources={"limits":{"memory":"64Mi"},"requests":{"cpu":"10m","memory":"16Mi"}}"#,
@@ -332,7 +332,10 @@ fn rendered_objects_follow_the_design() {
     for pod in [controller_pod, webhook_pod] {
         let c = &pod["containers"][0];
         let sc = &c["securityContext"];
-        assert_eq!(c["image"], "fencedlease:0.1.0");
+        assert_eq!(
+            c["image"],
+            concat!("fencedlease:", env!("CARGO_PKG_VERSION"))
+        );
         assert_eq!(c["imagePullPolicy"], "IfNotPresent");
         assert_eq!(sc["runAsNonRoot"], true);
         assert_eq!(sc["runAsUser"], 65532);
@@ -729,7 +732,7 @@ fn the_sidecar_image_is_the_sidecar_build_or_the_operator_image() {
     let c = chart();
     let digest = format!("sha256:{}", "1".repeat(64));
     let table: &[(&str, String)] = &[
-        ("", "fencedlease-sidecar:0.1.0".to_string()),
+        ("", concat!("fencedlease-sidecar:", env!("CARGO_PKG_VERSION")).to_string()),
         ("injection.sidecar.image.tag=9.9.9", "fencedlease-sidecar:9.9.9".to_string()),
         (
             &format!("injection.sidecar.image.repository=r.example/fl-sc,injection.sidecar.image.digest={digest}"),

@@ -1,4 +1,4 @@
-//! The project's image on a real node: the kubelet runs `fencedlease` from `fencedlease:0.1.0`
+//! The project's image on a real node: the kubelet runs `fencedlease` from `fencedlease:VERSION`
 //! through containerd, on the pod network (see tests/common/node.rs for the node).
 
 use fencedlease_testkit as common;

@@ -24,7 +24,7 @@ docker_archive() {
   # Every value here comes from this repository's scripts: no JSON escaping is needed.
   printf '%s' "{\"architecture\":\"amd64\",\"os\":\"linux\",\"created\":\"1970-01-01T00:00:00Z\",\
 \"config\":{\"User\":\"$user\",\"Entrypoint\":[$entry],\"Env\":[\"PATH=/usr/local/bin:/usr/bin:/bin\"],\"WorkingDir\":\"/\",\
-\"Labels\":{\"org.opencontainers.image.title\":\"${ref%%:*}\",\"io.fencedlease.built-by\":\"fencedlease hack scripts\"}},\
+\"Labels\":{\"org.opencontainers.image.title\":\"${ref%%:*}\",\"org.opencontainers.image.version\":\"${ref##*:}\",\"org.opencontainers.image.source\":\"https://github.com/fencedlease/fencedlease\",\"org.opencontainers.image.licenses\":\"Apache-2.0\",\"io.fencedlease.built-by\":\"fencedlease hack scripts\"}},\
 \"rootfs\":{\"type\":\"layers\",\"diff_ids\":[\"sha256:$diff_id\"]},\
 \"history\":[{\"created\":\"1970-01-01T00:00:00Z\",\"created_by\":\"fencedlease hack scripts (no Dockerfile)\"}]}" \
     >"$work/config.json"
@@ -33,11 +33,40 @@ docker_archive() {
   mv "$work/config.json" "$work/$config_id.json"
   printf '[{"Config":"%s.json","RepoTags":["%s"],"Layers":["%s/layer.tar"]}]' \
     "$config_id" "$ref" "$diff_id" >"$work/manifest.json"
+  oci_layout "${out%.tar}.oci" "${ref##*:}" "$work/$config_id.json" "$work/$diff_id/layer.tar"
   tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --format=gnu \
     -C "$work" -cf "$out.tmp" manifest.json "$config_id.json" "$diff_id"
   mv "$out.tmp" "$out"
   rm -rf "$work"
   echo "$config_id"
+}
+
+# oci_layout DIR TAG CONFIG LAYER_TAR
+#   Writes the same image as an OCI image layout (the OCI image spec's folder form: oci-layout,
+#   index.json, blobs/sha256/...) with OCI media types and the layer gzipped, for pushing to a
+#   registry (hack/release.sh: `crane push DIR REF`). Reproducible: `gzip -n` stores no name or
+#   time, so the same layer gives the same digests.
+oci_layout() {
+  local dir="$1" tag="$2" config="$3" layer="$4"
+  rm -rf "$dir.tmp"
+  mkdir -p "$dir.tmp/blobs/sha256"
+  local gz="$dir.tmp/layer.tar.gz" layer_id config_id manifest_id
+  gzip -n -c "$layer" >"$gz"
+  layer_id=$(sha256sum "$gz" | cut -d' ' -f1)
+  mv "$gz" "$dir.tmp/blobs/sha256/$layer_id"
+  config_id=$(sha256sum "$config" | cut -d' ' -f1)
+  cp "$config" "$dir.tmp/blobs/sha256/$config_id"
+  printf '%s' "{\"schemaVersion\":2,\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\
+\"config\":{\"mediaType\":\"application/vnd.oci.image.config.v1+json\",\"digest\":\"sha256:$config_id\",\"size\":$(stat -c %s "$config")},\
+\"layers\":[{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar+gzip\",\"digest\":\"sha256:$layer_id\",\"size\":$(stat -c %s "$dir.tmp/blobs/sha256/$layer_id")}]}" \
+    >"$dir.tmp/manifest.json"
+  manifest_id=$(sha256sum "$dir.tmp/manifest.json" | cut -d' ' -f1)
+  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"annotations":{"org.opencontainers.image.ref.name":"%s"}}]}' \
+    "$manifest_id" "$(stat -c %s "$dir.tmp/manifest.json")" "$tag" >"$dir.tmp/index.json"
+  mv "$dir.tmp/manifest.json" "$dir.tmp/blobs/sha256/$manifest_id"
+  printf '{"imageLayoutVersion":"1.0.0"}' >"$dir.tmp/oci-layout"
+  rm -rf "$dir"
+  mv "$dir.tmp" "$dir"
 }
 
 # node_containerd_socket: the containerd socket of hack/node.sh for this cluster folder.

@@ -61,6 +61,9 @@ pub fn helm_ok(args: &[&str]) -> String {
 pub struct Release {
     pub name: String,
     pub namespace: String,
+    /// What `helm install|upgrade` installs: the source tree's chart, or a chart reference such
+    /// as `oci://HOST:PORT/charts/fencedlease` (tests/release.rs; add `--version`).
+    pub chart: String,
     uninstalled: bool,
 }
 
@@ -70,6 +73,7 @@ impl Release {
         Release {
             name: format!("{prefix}-{suffix}"),
             namespace: ns.name.clone(),
+            chart: chart(),
             uninstalled: false,
         }
     }
@@ -81,7 +85,10 @@ impl Release {
         let release = Release::new(ns, prefix);
         let mut args = vec![
             "--set".to_string(),
-            "image.repository=fencedlease,image.tag=0.1.0,image.pullPolicy=Never".to_string(),
+            format!(
+                "image.repository=fencedlease,image.tag={},image.pullPolicy=Never",
+                env!("CARGO_PKG_VERSION")
+            ),
             "--set".to_string(),
             format!("controller.watchNamespace={}", ns.name),
         ];
@@ -168,7 +175,11 @@ impl Release {
     /// 1.25 skips the chart's CRD, which has validation rules such servers refuse; the test
     /// harness has applied crds/pre-1.25/ there, as the README tells users to.
     pub fn args(&self, subcommand: &str, extra: &[&str]) -> Vec<String> {
-        let mut args = vec![subcommand.to_string(), self.name.clone(), chart()];
+        let mut args = vec![
+            subcommand.to_string(),
+            self.name.clone(),
+            self.chart.clone(),
+        ];
         args.extend(self.isolation_args());
         if subcommand == "install"
             && !fencedlease::crdgen::server_takes_rules(super::server_minor_blocking())

@@ -1,5 +1,5 @@
 //! Pods on the test cluster's node (`hack/node.sh up`, then `hack/image.sh`) for the node tests
-//! (tests/node_*.rs): the kubelet runs `fencedlease` from the image `fencedlease:0.1.0` through
+//! (tests/node_*.rs): the kubelet runs `fencedlease` from the image `fencedlease:VERSION` through
 //! containerd.
 //!
 //! How pods reach the API server (see hack/node.sh): on the pod network, through the
@@ -21,9 +21,9 @@ use kube::api::ListParams;
 use kube::{Api, Client};
 use serde_json::json;
 
-pub const IMAGE: &str = "fencedlease:0.1.0";
+pub const IMAGE: &str = concat!("fencedlease:", env!("CARGO_PKG_VERSION"));
 /// The sidecar's image (`FL_IMAGE_ROLE=sidecar hack/image.sh`), which the chart injects.
-pub const SIDECAR_IMAGE: &str = "fencedlease-sidecar:0.1.0";
+pub const SIDECAR_IMAGE: &str = concat!("fencedlease-sidecar:", env!("CARGO_PKG_VERSION"));
 /// The node's pause image (hack/node.sh builds and imports it): a do-nothing app container. The
 /// project's image holds only the `fencedlease` binary, which has no idle subcommand.
 pub const APP_IMAGE: &str = "localhost/fencedlease/pause:3.4";

@@ -39,7 +39,7 @@ from .stamp import (
 )
 from .tokenfiles import DEFAULT_TOKEN_DIR, default_token_dir, read_token_files
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Client",
