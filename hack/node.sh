@@ -368,10 +368,20 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         BinaryName = "$WRAPPER"
         Root = "$NODE/containerd/runc"
         SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    # hosts.toml per registry host; the test bed's registry (hack/registry.sh) is plain HTTP.
+    config_path = "$NODE/containerd/certs.d"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$NODE/cni/net.d"
     max_conf_num = 1
+TOML
+  mkdir -p "$NODE/containerd/certs.d/$FL_REGISTRY"
+  cat >"$NODE/containerd/certs.d/$FL_REGISTRY/hosts.toml" <<TOML
+# Written by hack/node.sh: the test bed's registry (hack/registry.sh) speaks plain HTTP.
+server = "http://$FL_REGISTRY"
+[host."http://$FL_REGISTRY"]
+  capabilities = ["pull", "resolve"]
 TOML
 }
 
