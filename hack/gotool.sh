@@ -9,7 +9,8 @@
 #   registry                CNCF distribution's OCI registry (the test bed's, hack/registry.sh)
 #   cosign                  signs and verifies images and the chart (hack/release.sh)
 #   crane                   pushes the OCI images hack/image.sh writes, reads digests
-#   validate-krew-manifest  krew's own check of plugins/fencedlease.yaml
+#   validate-krew-manifest  krew's own check of the plugin manifest hack/release.sh writes
+#   krew                    what that check installs the plugin with (as `kubectl krew`)
 #   actionlint              lints .github/workflows/ (the release workflow)
 #
 # Each comes from the Go module proxy with `go install MODULE/cmd/X@VERSION` into
@@ -27,11 +28,12 @@ tool_package() {
     cosign) echo github.com/sigstore/cosign/v2/cmd/cosign@v2.6.5 ;;
     crane) echo github.com/google/go-containerregistry/cmd/crane@v0.22.1 ;;
     validate-krew-manifest) echo sigs.k8s.io/krew/cmd/validate-krew-manifest@v0.4.3 ;;
+    krew) echo sigs.k8s.io/krew/cmd/krew@v0.4.3 ;;
     actionlint) echo github.com/rhysd/actionlint/cmd/actionlint@v1.7.12 ;;
     *) return 1 ;;
   esac
 }
-ALL=(registry crane cosign validate-krew-manifest actionlint)
+ALL=(registry crane cosign validate-krew-manifest krew actionlint)
 
 # build NAME: prints the binary's path, building it first when missing.
 build() {

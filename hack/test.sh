@@ -27,10 +27,10 @@ done
 need_disk $((8 + k8s_cold)) "the test suite$([ $k8s_cold = 0 ] || echo ", building Kubernetes first,")" \
   "${CARGO_TARGET_DIR:-$FL_REPO/target}"
 
-started_cluster=0 started_node=0
+started_cluster=0 started_node=0 started_registry=0
 # The node goes down before the control plane, so that its Node object can be deleted.
 [ "${FL_KEEP_CLUSTER:-0}" = 1 ] ||
-  trap '[ $started_node = 1 ] && hack/node.sh down; [ $started_cluster = 1 ] && hack/cluster.sh down' EXIT
+  trap '[ $started_registry = 1 ] && hack/registry.sh down; [ $started_node = 1 ] && hack/node.sh down; [ $started_cluster = 1 ] && hack/cluster.sh down' EXIT
 if ! hack/cluster.sh status >/dev/null 2>&1; then
   started_cluster=1
   hack/cluster.sh up
@@ -42,6 +42,14 @@ if ! hack/node.sh status >/dev/null 2>&1; then
   started_node=1
   hack/node.sh up
 fi
+# The release tools (registry, cosign, crane, krew's validator, actionlint: built once from their
+# Go modules) and the test bed's OCI registry, for tests/release.rs.
+log "release tools (hack/gotool.sh all; cold: about four minutes) and the OCI registry"
+hack/gotool.sh all
+if ! hack/registry.sh status >/dev/null 2>&1; then
+  started_registry=1
+  hack/registry.sh up
+fi
 log "building the image from the debug binary (hack/image.sh)"
 cargo build --quiet
 FL_IMAGE_PROFILE=debug hack/image.sh
@@ -49,6 +57,8 @@ FL_IMAGE_PROFILE=debug hack/image.sh
 log "building the sidecar's image from its debug build (FL_IMAGE_ROLE=sidecar hack/image.sh)"
 FL_IMAGE_PROFILE=debug FL_IMAGE_ROLE=sidecar hack/image.sh
 
+log "release files: the workflow (actionlint), the krew manifest (validate-krew-manifest), the chart's Artifact Hub metadata"
+hack/lint-release.sh
 log "cargo fmt --check"
 cargo fmt --all -- --check || die "formatting differs: run 'cargo fmt' and commit"
 log "the book (docs/): hack/book.sh"
