@@ -131,6 +131,33 @@ impl Runtime {
     }
 }
 
+/// A token cancelled `delay` after `shutdown` is: for a server that must outlive the shutdown
+/// signal by a moment (the webhook keeps answering while the API server stops sending to it).
+/// Dropping every clone of `shutdown` uncancelled ends the waiting task.
+#[cfg(feature = "operator")]
+pub(crate) fn cancelled_after(
+    shutdown: &CancellationToken,
+    delay: std::time::Duration,
+) -> CancellationToken {
+    let later = CancellationToken::new();
+    let (signal, done) = (shutdown.clone(), later.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            () = signal.cancelled() => {}
+            () = done.cancelled() => return,
+        }
+        if !delay.is_zero() {
+            info!(
+                seconds = delay.as_secs(),
+                "shutting down: still answering for a moment, while callers stop sending here"
+            );
+            tokio::time::sleep(delay).await;
+        }
+        done.cancel();
+    });
+    later
+}
+
 /// The parser of every `--lease-duration` flag: whole seconds within the CRD's bounds.
 pub(crate) fn lease_duration_parser() -> clap::builder::RangedI64ValueParser<i32> {
     clap::value_parser!(i32)
@@ -195,6 +222,21 @@ impl ElectorTask {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[cfg(feature = "operator")]
+    #[tokio::test(start_paused = true)]
+    async fn the_delayed_token_is_cancelled_only_after_the_delay() {
+        let shutdown = CancellationToken::new();
+        let later = cancelled_after(&shutdown, Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!later.is_cancelled(), "cancelled with no shutdown");
+        shutdown.cancel();
+        tokio::time::sleep(Duration::from_millis(4_999)).await;
+        assert!(!later.is_cancelled(), "cancelled before the delay");
+        tokio::time::timeout(Duration::from_secs(1), later.cancelled())
+            .await
+            .expect("cancelled once the delay has passed");
+    }
 
     #[tokio::test]
     async fn sigterm_cancels_the_shutdown_token() {

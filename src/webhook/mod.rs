@@ -111,13 +111,19 @@ pub struct WebhookArgs {
     /// How often to check the certificate files for changes, in seconds.
     #[arg(long, default_value_t = 2)]
     pub tls_reload_seconds: u64,
+    /// After SIGTERM, how many seconds the webhook keeps answering (reporting not ready)
+    /// before it closes its listener: the moment the API server takes to stop sending to a
+    /// terminating pod. With 0, writes judged in that moment fail ("connection refused") during
+    /// every rolling update. Keep it below the pod's terminationGracePeriodSeconds minus 10.
+    #[arg(long, env = "FENCEDLEASE_SHUTDOWN_DELAY_SECONDS", default_value_t = 5)]
+    pub shutdown_delay_seconds: u64,
     #[command(flatten)]
     pub admin: Tailored<AdminArgs, WebhookAdmin>,
     /// Image of the injected sidecar (served at /mutate).
     #[arg(
         long,
         env = "FENCEDLEASE_SIDECAR_IMAGE",
-        default_value = "fencedlease:0.1.0"
+        default_value = concat!("fencedlease:", env!("CARGO_PKG_VERSION"))
     )]
     pub sidecar_image: String,
     /// imagePullPolicy of the injected sidecar.
@@ -786,11 +792,16 @@ async fn guarded_response(
 
 /// Ready once the lease cache has synced and the API server was readable within
 /// `API_HEALTH_WINDOW` (see [`ApiHealth`]).
-fn readiness(shared: &Arc<Shared>) -> crate::runtime::admin::Readiness {
+fn readiness(
+    shared: &Arc<Shared>,
+    stopping: tokio_util::sync::CancellationToken,
+) -> crate::runtime::admin::Readiness {
     let s = shared.clone();
     crate::runtime::admin::Readiness::from_fn(move || {
         s.health.refresh();
-        if s.health.ready.load(Ordering::Relaxed) {
+        if stopping.is_cancelled() {
+            Err("shutting down: still answering until the listener closes")
+        } else if s.health.ready.load(Ordering::Relaxed) {
             Ok(())
         } else if !s.health.synced.load(Ordering::Relaxed) {
             Err("lease cache not synced")
@@ -860,23 +871,19 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
     });
     start_readiness(&shared, store);
 
-    let readiness = readiness(&shared);
     let stop = rt.shutdown().clone();
+    let readiness = readiness(&shared, stop.clone());
+    // The listener outlives the signal by --shutdown-delay-seconds (see its doc).
+    let close =
+        crate::runtime::cancelled_after(&stop, Duration::from_secs(args.shutdown_delay_seconds));
     rt.serve_admin(&args.admin, readiness.clone());
     let app = Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
         .merge(crate::runtime::admin::health_routes(readiness))
         .with_state(shared);
-    let served = server::serve_until(
-        args.listen,
-        tls_config,
-        app,
-        limits,
-        server_metrics,
-        stop.clone(),
-    )
-    .await;
+    let served =
+        server::serve_until(args.listen, tls_config, app, limits, server_metrics, close).await;
     info!("shutting down");
     rt.finish().await;
     served?;
