@@ -22,6 +22,7 @@ pub mod node;
 pub mod operator;
 pub mod policy;
 pub mod procs;
+pub mod release;
 pub mod samples;
 pub mod sidecars;
 pub mod stories;
