@@ -17,6 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::procs::{scratch_dir, Proc};
+use common::samples::{event_of, events, t};
 use common::sidecars::{sidecar, Sidecar};
 use common::webhook::{free_port, Webhook};
 use common::{client, ensure_crd, eventually, repo_root, TestNamespace};
@@ -24,7 +25,7 @@ use fencedlease::stamp::{LEASE_LABEL, REFUSAL_CODE};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 use nix::sys::signal::Signal;
-use serde_json::{json, Value};
+use serde_json::json;
 
 const LEASE: &str = "sample";
 const SOURCE_LABEL: &str = "sample.fencedlease.io/source";
@@ -77,29 +78,6 @@ fn pod(python: &Path, dir: &Path, ns: &str, identity: &str) -> Pod {
         log,
     };
     Pod { car, kopf, stall }
-}
-
-fn events(p: &Proc) -> Vec<Value> {
-    let text = std::fs::read_to_string(&p.events).unwrap_or_default();
-    let whole = text.rfind('\n').map_or("", |i| &text[..=i]);
-    whole
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad event {l:?}: {e}")))
-        .collect()
-}
-
-async fn event_of(p: &Proc, name: &str, when: impl Fn(&Value) -> bool) -> Value {
-    let what = format!("{}: event {name} (log: {})", p.name, p.log.display());
-    eventually(Duration::from_secs(60), &what, || async {
-        events(p)
-            .into_iter()
-            .find(|e| e["event"] == name && when(e))
-    })
-    .await
-}
-
-fn t(e: &Value) -> u64 {
-    e["t_ns"].as_u64().unwrap_or(0)
 }
 
 /// kubectl through a pod's API proxy (its writes stamped by the proxy); stdin as given.

@@ -44,8 +44,8 @@ fn replica(bin: &Path, dir: &Path, ns: &str, identity: &str) -> (Proc, PathBuf) 
     (proc, stall)
 }
 
-/// The whole event lines of a replica so far.
-fn events(p: &Proc) -> Vec<Value> {
+/// The whole event lines (JSON, one per line) a sample process has written so far.
+pub fn events(p: &Proc) -> Vec<Value> {
     let text = std::fs::read_to_string(&p.events).unwrap_or_default();
     let whole = text.rfind('\n').map_or("", |i| &text[..=i]);
     whole
@@ -54,10 +54,11 @@ fn events(p: &Proc) -> Vec<Value> {
         .collect()
 }
 
-/// The first event of `p` named `name` whose fields match `when`.
-async fn event_of(p: &Proc, name: &str, when: impl Fn(&Value) -> bool) -> Value {
-    let what = format!("{}: event {name}", p.name);
-    eventually(Duration::from_secs(30), &what, || async {
+/// The first event of `p` named `name` whose fields match `when` (the ceiling only stops a hung
+/// test; the message names the process's log).
+pub async fn event_of(p: &Proc, name: &str, when: impl Fn(&Value) -> bool) -> Value {
+    let what = format!("{}: event {name} (log: {})", p.name, p.log.display());
+    eventually(Duration::from_secs(60), &what, || async {
         events(p)
             .into_iter()
             .find(|e| e["event"] == name && when(e))
@@ -65,8 +66,9 @@ async fn event_of(p: &Proc, name: &str, when: impl Fn(&Value) -> bool) -> Value 
     .await
 }
 
-fn t(e: &Value) -> u128 {
-    e["t_ns"].as_u64().map(u128::from).unwrap_or(0)
+/// An event's time, `t_ns` (the samples' own monotonic clock, comparable within one host).
+pub fn t(e: &Value) -> u64 {
+    e["t_ns"].as_u64().unwrap_or(0)
 }
 
 /// The story both samples play: two replicas of the operator at `bin` (arguments NAMESPACE
@@ -142,7 +144,7 @@ pub async fn frozen_leader_story(bin: &Path, test: &str) {
 
     // Reconciles start only in a replica's own tenure: the old one started none after the new
     // one came to lead, and the new one none before.
-    let old_starts: Vec<u128> = events(old)
+    let old_starts: Vec<u64> = events(old)
         .iter()
         .filter(|e| e["event"] == "reconcile-start")
         .map(t)
