@@ -41,8 +41,7 @@ use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
 use crate::stamp::{
-    new_write_id, stamp_body, BodyKind, StampError, DELETE_INTENT_ANNOTATION, LEASE_LABEL,
-    LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION,
+    delete_announcement, new_write_id, stamp_body, BodyKind, StampError, LEASE_LABEL,
 };
 
 /// The errors of the services here (what a `kube::Client` reports as `kube::Error::Service`).
@@ -265,13 +264,7 @@ where
     let precondition = options["preconditions"]["resourceVersion"]
         .as_str()
         .map(str::to_string);
-    let id = new_write_id(token);
-    let mut patch = serde_json::json!({"metadata": {"annotations": {
-        TOKEN_ANNOTATION: token.generation.to_string(),
-        LEASE_UID_ANNOTATION: token.lease_uid,
-        WRITE_ID_ANNOTATION: id,
-        DELETE_INTENT_ANNOTATION: id,
-    }}});
+    let mut patch = delete_announcement(token);
     if let Some(rv) = &precondition {
         patch["metadata"]["resourceVersion"] = serde_json::Value::String(rv.clone());
     }

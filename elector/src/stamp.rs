@@ -70,6 +70,29 @@ pub fn announce_delete(meta: &mut ObjectMeta, lease: &str, token: &FencingToken,
         .insert(DELETE_INTENT_ANNOTATION.to_string(), write_id.to_string());
 }
 
+/// The merge patch that announces a delete under `token`: the token, the lease uid, a new write
+/// id, and the delete intent set to that same id (what [`announce_delete`] sets on an
+/// `ObjectMeta`, for clients that patch raw JSON: the stamping client and the sidecar's proxy).
+///
+/// ```
+/// use fencedlease_elector::{stamp::delete_announcement, FencingToken};
+///
+/// let token = FencingToken { lease_uid: "0b6f-e1".into(), generation: 6 };
+/// let patch = delete_announcement(&token);
+/// let a = &patch["metadata"]["annotations"];
+/// assert_eq!(a["fencedlease.io/token"], "6");
+/// assert_eq!(a["fencedlease.io/delete-intent"], a["fencedlease.io/write-id"]);
+/// ```
+pub fn delete_announcement(token: &FencingToken) -> serde_json::Value {
+    let id = new_write_id(token);
+    serde_json::json!({"metadata": {"annotations": {
+        TOKEN_ANNOTATION: token.generation.to_string(),
+        LEASE_UID_ANNOTATION: token.lease_uid,
+        WRITE_ID_ANNOTATION: id,
+        DELETE_INTENT_ANNOTATION: id,
+    }}})
+}
+
 /// A write id never used before by this process: the token's generation, the process id, when
 /// the process first asked, and a counter. It only has to differ from the one stored on the
 /// object (it proves that this write stamped the token itself).

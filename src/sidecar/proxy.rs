@@ -16,10 +16,7 @@ use axum::Router;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::api::{
-    DELETE_INTENT_ANNOTATION, LEASE_LABEL, LEASE_UID_ANNOTATION, TOKEN_ANNOTATION,
-    WRITE_ID_ANNOTATION,
-};
+use crate::api::{DELETE_INTENT_ANNOTATION, LEASE_LABEL};
 use crate::lease::clock;
 use crate::lease::elector::LeaderState;
 use crate::lease::rules::FencingToken;
@@ -184,17 +181,8 @@ pub(super) fn protected_by(object: &Value) -> Option<&str> {
         .filter(|l| !l.is_empty())
 }
 
-/// The merge patch that announces a delete under `token`: the stamp with a new write id, and
-/// the delete intent set to that same id.
-pub(super) fn announcement(token: &FencingToken) -> Value {
-    let id = new_write_id(token);
-    json!({"metadata": {"annotations": {
-        TOKEN_ANNOTATION: token.generation.to_string(),
-        LEASE_UID_ANNOTATION: token.lease_uid,
-        WRITE_ID_ANNOTATION: id,
-        DELETE_INTENT_ANNOTATION: id,
-    }}})
-}
+/// The merge patch that announces a delete under `token` (one definition, in the stamp module).
+pub(super) use crate::stamp::delete_announcement as announcement;
 
 /// The `preconditions.resourceVersion` of a delete's body (DeleteOptions), if it has one.
 pub(super) fn precondition_of(body: &[u8]) -> Option<String> {
@@ -492,6 +480,7 @@ pub(super) fn router(client: kube::Client, cfg: ProxyConfig) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::{LEASE_UID_ANNOTATION, TOKEN_ANNOTATION, WRITE_ID_ANNOTATION};
 
     #[test]
     fn unpinned_writes_wait_for_the_app_after_a_loss() {
