@@ -23,6 +23,14 @@ if [ "${PLAIN_HTTP:-0}" = 1 ]; then
   COSIGN_VERIFY_FLAGS+=(--allow-http-registry --allow-insecure-registry)
 fi
 
+# chart_layer REF@DIGEST: prints the digest of the Helm chart layer of that chart manifest.
+chart_layer() {
+  "$CRANE" manifest "${CRANE_FLAGS[@]}" "$1" | python3 -c '
+import json, sys
+m = json.load(sys.stdin)
+print(next(l["digest"] for l in m["layers"] if l["mediaType"].endswith("chart.content.v1.tar+gzip")))'
+}
+
 # test_bed_key: prints the path of the test bed's cosign private key, making the pair (empty
 # password) once.
 test_bed_key() {
@@ -65,6 +73,7 @@ if "artifacthub.io/images" in open(f"{d}/Chart.yaml").read():  # releases before
         (r'^(      image: )fencedlease-sidecar:.*$', rf'\g<1>{sc_repo}@{sc_digest}'),
         (r'^(    fingerprint: ).*$', rf'\g<1>{fingerprint}'),
         (r'^(    url: .*/download/)v[^/]*(/cosign.pub)$', rf'\g<1>v{version}\g<2>'),
+        (r'^(  artifacthub.io/prerelease: ).*$', rf'\g<1>"{str("-" in version).lower()}"'),
     ])
 edit(f"{d}/values.yaml", [
     (r'^(image:\n(?:  #.*\n)*  repository: ).*$', rf'\g<1>{op_repo}'),

@@ -9,6 +9,7 @@
 #                log in first (`crane auth login`, `helm registry login`; cosign reads the same
 #                ~/.docker/config.json), and a private CA goes in the system's trust store.
 #   --plain-http the registry speaks plain HTTP (the test bed's on loopback, hack/registry.sh).
+#   --force      replace a version already in the registry (refused otherwise).
 #   --version    semantic version of the release (default: Cargo.toml's). Images are tagged V,
 #                the chart's version and appVersion become V.
 #   --source REF release an earlier commit or tag of this repository (its binaries, chart and
@@ -26,8 +27,11 @@
 # packages the test build, as CI does), push them (crane), write a CycloneDX SBOM for each
 # (hack/sbom.py) and attach it as a signed attestation (cosign attest --type cyclonedx), sign each
 # image by digest (cosign sign), write the chart with the images pinned by digest, package and
-# push it (helm push), sign it by digest. No transparency log is used (--tlog-upload=false):
-# verification rests on the public key alone (hack/verify-release.sh).
+# push it (helm push), sign it by digest with its version as a signed annotation. What is
+# signed is always the digest of what was built here. The chart's tag comes last, after the
+# images are signed; until the chart is signed too, hack/verify-release.sh refuses the version
+# (fail closed). No transparency log is used (--tlog-upload=false): verification rests on the
+# public key alone (hack/verify-release.sh).
 #
 # Output: target/release/V/: digests.txt (one "KIND REF@DIGEST" line each, and "plugin FILE"),
 # the chart package, the SBOMs, the kubectl plugin's archive and krew manifest, and cosign.pub
@@ -37,13 +41,14 @@ set -euo pipefail
 # shellcheck source=hack/lib.sh
 source "$(dirname "$0")/lib.sh"
 
-REGISTRY="" VERSION="" PLAIN_HTTP=0 KEY="" SOURCE=""
+REGISTRY="" VERSION="" PLAIN_HTTP=0 KEY="" SOURCE="" FORCE=0
 PLUGIN_URL_BASE=https://github.com/fencedlease/fencedlease/releases/download
 while [ $# -gt 0 ]; do
   case "$1" in
     --registry) REGISTRY="${2:?--registry needs HOST:PORT}"; shift 2 ;;
     --version) VERSION="${2:?--version needs a version}"; shift 2 ;;
     --plain-http) PLAIN_HTTP=1; shift ;;
+    --force) FORCE=1; shift ;;
     --key) KEY="${2:?--key needs a file}"; shift 2 ;;
     --source) SOURCE="${2:?--source needs a commit or tag}"; shift 2 ;;
     --plugin-url-base) PLUGIN_URL_BASE="${2:?--plugin-url-base needs a URL}"; shift 2 ;;
@@ -66,6 +71,11 @@ if [ -n "$SOURCE" ]; then
   build_source "$SOURCE"
 fi
 OUT="$FL_REPO/target/release/$VERSION"
+# A published version is never replaced silently: users and the lock files of GitOps tools
+# pinned its digests.
+if [ "$FORCE" = 0 ] && "$CRANE" digest "${CRANE_FLAGS[@]}" "$REGISTRY/charts/fencedlease:$VERSION" >/dev/null 2>&1; then
+  die "$REGISTRY/charts/fencedlease:$VERSION exists already: release a new version, or pass --force to replace it (the test bed does)"
+fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 if [ -z "$KEY" ]; then
@@ -89,9 +99,14 @@ push_image() {
   binary="${binary:-$(image_binary "$role")}"
   ref="$REGISTRY/$name"
   log "image $name: pushing to $ref:$VERSION"
+  # The digest signed is the one built here (the layout's manifest), never what the registry
+  # says the tag points to afterwards.
+  digest=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["manifests"][0]["digest"])' \
+    "$FL_REPO/target/image/$name-$VERSION.oci/index.json")
   "$CRANE" push "${CRANE_FLAGS[@]}" "$FL_REPO/target/image/$name-$VERSION.oci" "$ref:$VERSION" >/dev/null ||
     die "crane push to $ref:$VERSION failed: is the registry up and are you logged in? (plain HTTP needs --plain-http)"
-  digest=$("$CRANE" digest "${CRANE_FLAGS[@]}" "$ref:$VERSION")
+  [ "$("$CRANE" digest "${CRANE_FLAGS[@]}" "$ref@$digest")" = "$digest" ] ||
+    die "the registry does not serve $ref@$digest after the push"
   log "image $name: SBOM (CycloneDX) and its signed attestation"
   python3 "$FL_REPO/hack/sbom.py" --role "$role" --version "$VERSION" --binary "$binary" --source "$SRC" >"$OUT/$name.cdx.json"
   "$COSIGN" attest "${COSIGN_FLAGS[@]}" --key "$KEY" --type cyclonedx --predicate "$OUT/$name.cdx.json" \
@@ -121,9 +136,16 @@ log "chart: pushing to oci://$REGISTRY/charts"
 "$HELM" push "$package" "oci://$REGISTRY/charts" "${HELM_FLAGS[@]}" >"$OUT/helm-push.log" 2>&1 ||
   die "helm push failed (log: $OUT/helm-push.log)"
 chart_ref="$REGISTRY/charts/fencedlease"
-chart_digest=$("$CRANE" digest "${CRANE_FLAGS[@]}" "$chart_ref:$VERSION")
+# The digest helm pushed, and its chart layer must be the package built here: what is signed
+# is this package, whatever the tag points to meanwhile.
+chart_digest=$(sed -n 's/^Digest: \(sha256:[0-9a-f]\{64\}\)$/\1/p' "$OUT/helm-push.log")
+[ -n "$chart_digest" ] || die "helm push printed no digest (log: $OUT/helm-push.log)"
+[ "$(chart_layer "$chart_ref@$chart_digest")" = "sha256:$(sha256sum "$package" | cut -d' ' -f1)" ] ||
+  die "the chart at $chart_ref@$chart_digest is not the package built here ($package)"
 log "chart: signing $chart_digest"
-"$COSIGN" sign "${COSIGN_FLAGS[@]}" --key "$KEY" "$chart_ref@$chart_digest" >>"$OUT/cosign.log" 2>&1 ||
+# The version goes into the signature too (-a version=V), so that a chart signed for another
+# version, moved under this tag, is refused (hack/verify-release.sh checks both).
+"$COSIGN" sign "${COSIGN_FLAGS[@]}" --key "$KEY" -a "version=$VERSION" "$chart_ref@$chart_digest" >>"$OUT/cosign.log" 2>&1 ||
   die "cosign sign $chart_ref@$chart_digest failed (log: $OUT/cosign.log)"
 record chart "$chart_ref@$chart_digest"
 rm -rf "$OUT/chart"

@@ -19,7 +19,9 @@ use common::fencing::{fenced_merge, held_lease, move_lease, protected_meta, Held
 use common::helm::Release;
 use common::node::{describe, is_running, name_of, ready_node};
 use common::operator::{wait_certificate_and_ca_bundles, wait_operator_ready};
-use common::release::{hack_var, helm_from_registry, oci_chart, push, script, verify, Pushed};
+use common::release::{
+    hack_var, helm_from_registry, oci_chart, push, script, verify, ChartRef, Pushed,
+};
 use common::{client, ensure_crd, eventually, kubectl, repo_root, try_eventually, TestNamespace};
 use fencedlease::api::FencedLease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
@@ -170,10 +172,12 @@ async fn a_release_installs_from_the_registry_only_once_verified() {
     // each component start (Pod Security admits them), pull the signed digests and fence.
     let ns = restricted_namespace(&client, "release-install").await;
     let release = registry_release(&ns, "flr");
-    helm_from_registry(&release, "install", VERSION, &[]);
+    // By version, as `helm install ... --version V` (the upgrade test installs by digest).
+    helm_from_registry(&release, "install", ChartRef::Version(VERSION), &[]);
     wait_operator_ready(&client, &release, 2).await;
     wait_certificate_and_ca_bundles(&client, &release).await;
     assert_runs(&client, &release, &pushed.image("fencedlease")).await;
+    injected_sidecar_runs(&client, &ns.name, &pushed.image("fencedlease-sidecar")).await;
     let h = held_lease(&client, &ns.name, "app", "app-0").await;
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
     let cm: ConfigMap = serde_json::from_value(
@@ -202,6 +206,52 @@ async fn a_release_installs_from_the_registry_only_once_verified() {
     tampering_is_refused(&pushed).await;
 }
 
+/// An injected sidecar in namespace `ns` runs `image` (REF@DIGEST), which the node pulled from
+/// the registry: the chart's webhook injects the signed sidecar image, not a tag.
+async fn injected_sidecar_runs(client: &Client, ns: &str, image: &str) {
+    common::operator::opt_in_to_injection(client, ns).await;
+    common::operator::wait_injection_served(client, ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    pods.create(
+        &PostParams::default(),
+        &common::operator::annotated_pod("injected", "app"),
+    )
+    .await
+    .expect("creating an annotated pod");
+    let digest = image.split('@').nth(1).expect("REF@DIGEST").to_string();
+    eventually(
+        Duration::from_secs(120),
+        "the injected sidecar to start from the registry's image",
+        || async {
+            let p = pods.get("injected").await.map_err(|e| e.to_string())?;
+            let spec = p.spec.as_ref().ok_or("no spec")?;
+            let declared = spec
+                .init_containers
+                .iter()
+                .flatten()
+                .chain(&spec.containers)
+                .find(|c| c.name == "fencedlease")
+                .and_then(|c| c.image.clone());
+            if declared.as_deref() != Some(image) {
+                return Err(format!(
+                    "the sidecar is declared with {declared:?}, not {image}"
+                ));
+            }
+            let status = p.status.unwrap_or_default();
+            let started = status
+                .init_container_statuses
+                .iter()
+                .flatten()
+                .chain(status.container_statuses.iter().flatten())
+                .find(|s| s.name == "fencedlease" && s.image_id.ends_with(&digest));
+            started
+                .map(|_| ())
+                .ok_or_else(|| format!("not started yet: {:?}", status.phase))
+        },
+    )
+    .await;
+}
+
 /// Each tampering makes hack/verify-release.sh refuse, naming what failed; the release is
 /// pushed again afterwards.
 async fn tampering_is_refused(pushed: &Pushed) {
@@ -220,7 +270,12 @@ async fn tampering_is_refused(pushed: &Pushed) {
     );
     let values = work.path().join("fencedlease/values.yaml");
     let text = std::fs::read_to_string(&values).expect("values.yaml");
-    std::fs::write(&values, text.replacen("replicas: 2", "replicas: 3", 1)).expect("write values");
+    let tampered = text.replacen("\nreplicas: 2\n", "\nreplicas: 3\n", 1);
+    assert_ne!(
+        tampered, text,
+        "the chart's values have no `replicas: 2` to change"
+    );
+    std::fs::write(&values, tampered).expect("write values");
     let helm = common::helm::helm_path()
         .to_str()
         .expect("utf-8")
@@ -250,8 +305,81 @@ async fn tampering_is_refused(pushed: &Pushed) {
         "{refused}"
     );
 
-    // An image whose signature is gone (the chart is signed again, as a compromised pipeline
-    // would): its tag moved back to the signed chart first.
+    // A rollback: a chart the key really signed, for another version (0.1.9 here), moved
+    // under this version's tag.
+    let chart_yaml = work.path().join("fencedlease/Chart.yaml");
+    let text = std::fs::read_to_string(&chart_yaml).expect("Chart.yaml");
+    // (helm package writes Chart.yaml in its own form: keys sorted, appVersion unquoted.)
+    let older: String = text
+        .lines()
+        .map(|l| match l.split(':').next() {
+            Some("version") => "version: 0.1.9".to_string(),
+            Some("appVersion") => "appVersion: \"0.1.9\"".to_string(),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        older.contains("\nversion: 0.1.9") && older.contains("\nappVersion: \"0.1.9\""),
+        "{older}"
+    );
+    std::fs::write(&chart_yaml, older).expect("write Chart.yaml");
+    run(
+        &helm,
+        &[
+            "package",
+            &format!("{dir}/fencedlease"),
+            "--destination",
+            dir,
+        ],
+    );
+    let pushed_older = run(
+        &helm,
+        &[
+            "push",
+            &format!("{dir}/fencedlease-0.1.9.tgz"),
+            &format!("oci://{registry}/charts"),
+            "--plain-http",
+        ],
+    );
+    let older_digest = run(
+        &crane,
+        &[
+            "digest",
+            insecure,
+            &format!("{registry}/charts/fencedlease:0.1.9"),
+        ],
+    );
+    let older_ref = format!("{registry}/charts/fencedlease@{}", older_digest.trim());
+    let key = format!("{}/test-bed-key/cosign.key", hack_var("FL_CACHE"));
+    run(
+        &tool("cosign"),
+        &[
+            "sign",
+            "--key",
+            &key,
+            "-a",
+            "version=0.1.9",
+            "--tlog-upload=false",
+            "--yes",
+            "--allow-http-registry",
+            "--allow-insecure-registry",
+            &older_ref,
+        ],
+    );
+    run(&crane, &["tag", insecure, &older_ref, VERSION]);
+    let refused = verify(VERSION, &pushed.public_key)
+        .expect_err("a chart signed for another version must be refused");
+    assert!(
+        refused.contains(&format!(
+            "no valid signature by {} for version {VERSION}",
+            pushed.public_key.display()
+        )),
+        "{refused}\n(helm push said: {pushed_older})"
+    );
+
+    // An image whose signature is gone (as if a compromised pipeline had pushed it and the
+    // signed chart named it): the tag back on the signed chart first.
     let chart = format!("{registry}/charts/fencedlease@{}", pushed.chart_digest());
     run(&crane, &["tag", insecure, &chart, VERSION]);
     verify(VERSION, &pushed.public_key).expect("the signed chart again");
@@ -469,7 +597,13 @@ async fn upgrade_and_downgrade_under_a_stale_writer_accept_no_stale_write() {
     // replaced holder (token t1) and a current one (t2 > t1).
     let ns = TestNamespace::new(&client, "release-upgrade").await;
     let release = registry_release(&ns, "flu");
-    helm_from_registry(&release, "install", &previous_version, &[]);
+    // By the verified digests, as the docs say (the install test goes by version).
+    helm_from_registry(
+        &release,
+        "install",
+        ChartRef::Digest(&previous.chart_digest()),
+        &[],
+    );
     wait_operator_ready(&client, &release, 2).await;
     wait_certificate_and_ca_bundles(&client, &release).await;
     assert_runs(&client, &release, &previous.image("fencedlease")).await;
@@ -519,7 +653,12 @@ async fn upgrade_and_downgrade_under_a_stale_writer_accept_no_stale_write() {
     assert!(ok, "applying the current CRD: {err}");
     for (to, pushed) in [(VERSION, &current), (previous_version.as_str(), &previous)] {
         marks.push((format!("helm upgrade to {to}"), started.elapsed()));
-        helm_from_registry(&release, "upgrade", to, &[]);
+        helm_from_registry(
+            &release,
+            "upgrade",
+            ChartRef::Digest(&pushed.chart_digest()),
+            &[],
+        );
         wait_rolled_out(&client, &release, &pushed.image("fencedlease"), 2).await;
         marks.push((format!("rolled out {to}"), started.elapsed()));
         // The holder writes again on the version just rolled out before the next step.

@@ -112,12 +112,24 @@ impl Runtime {
     /// the registry, `/readyz` as `ready` says, `/livez`. A failure to bind does not stop the
     /// role: [`Runtime::finish`] reports it.
     pub(crate) fn serve_admin(&mut self, args: &args::AdminArgs, ready: admin::Readiness) {
+        let until = self.shutdown.clone();
+        self.serve_admin_until(args, ready, until);
+    }
+
+    /// [`Runtime::serve_admin`] until `until` is cancelled instead of the shutdown: a role that
+    /// keeps serving a moment past the signal keeps its probes and metrics answering as long.
+    pub(crate) fn serve_admin_until(
+        &mut self,
+        args: &args::AdminArgs,
+        ready: admin::Readiness,
+        until: CancellationToken,
+    ) {
         let registry = std::mem::take(&mut self.registry);
         self.admin = Some(admin_port::AdminServer::start(
             args.metrics_addr,
             ready,
             std::sync::Arc::new(registry),
-            self.shutdown.clone(),
+            until,
         ));
     }
 
@@ -133,7 +145,7 @@ impl Runtime {
 
 /// A token cancelled `delay` after `shutdown` is: for a server that must outlive the shutdown
 /// signal by a moment (the webhook keeps answering while the API server stops sending to it).
-/// Dropping every clone of `shutdown` uncancelled ends the waiting task.
+/// Its task ends when either token is cancelled.
 #[cfg(feature = "operator")]
 pub(crate) fn cancelled_after(
     shutdown: &CancellationToken,

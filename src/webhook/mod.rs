@@ -873,10 +873,11 @@ pub(crate) async fn run(args: WebhookArgs) -> anyhow::Result<std::process::ExitC
 
     let stop = rt.shutdown().clone();
     let readiness = readiness(&shared, stop.clone());
-    // The listener outlives the signal by --shutdown-delay-seconds (see its doc).
+    // The listeners outlive the signal by --shutdown-delay-seconds (see its doc), the admin
+    // port's too: /readyz says "shutting down" meanwhile, and the metrics cover the delay.
     let close =
         crate::runtime::cancelled_after(&stop, Duration::from_secs(args.shutdown_delay_seconds));
-    rt.serve_admin(&args.admin, readiness.clone());
+    rt.serve_admin_until(&args.admin, readiness.clone(), close.clone());
     let app = Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))

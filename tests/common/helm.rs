@@ -175,11 +175,12 @@ impl Release {
     /// 1.25 skips the chart's CRD, which has validation rules such servers refuse; the test
     /// harness has applied crds/pre-1.25/ there, as the README tells users to.
     pub fn args(&self, subcommand: &str, extra: &[&str]) -> Vec<String> {
-        let mut args = vec![
-            subcommand.to_string(),
-            self.name.clone(),
-            self.chart.clone(),
-        ];
+        self.args_chart(subcommand, &self.chart, extra)
+    }
+
+    /// [`Release::args`] for another chart reference than the release's own (a digest).
+    pub fn args_chart(&self, subcommand: &str, chart: &str, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![subcommand.to_string(), self.name.clone(), chart.to_string()];
         args.extend(self.isolation_args());
         if subcommand == "install"
             && !fencedlease::crdgen::server_takes_rules(super::server_minor_blocking())
@@ -191,7 +192,12 @@ impl Release {
     }
 
     pub fn run(&self, subcommand: &str, extra: &[&str]) -> String {
-        let args = self.args(subcommand, extra);
+        self.run_chart(subcommand, &self.chart, extra)
+    }
+
+    /// [`Release::run`] with another chart reference than the release's own.
+    pub fn run_chart(&self, subcommand: &str, chart: &str, extra: &[&str]) -> String {
+        let args = self.args_chart(subcommand, chart, extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         helm_ok(&args)
     }

@@ -106,12 +106,14 @@ pub async fn push(version: &str, source: Option<&str>) -> Pushed {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
     let _turn = ONE_AT_A_TIME.lock().await;
     let registry = registry();
+    // --force: the test bed pushes the same versions again on every run.
     let mut args = vec![
         "--registry",
         &registry,
         "--plain-http",
         "--version",
         version,
+        "--force",
     ];
     if let Some(s) = source {
         args.extend(["--source", s]);
@@ -172,15 +174,29 @@ pub fn oci_chart() -> String {
     format!("oci://{}/charts/fencedlease", registry())
 }
 
-/// Installs or upgrades `release` to `version` from the registry, as a user would.
+/// How a chart is named to helm: by version (`--version V`: what the tag points to when helm
+/// runs), or by the digest hack/verify-release.sh verified (`oci://...@sha256:...`).
+pub enum ChartRef<'a> {
+    Version(&'a str),
+    Digest(&'a str),
+}
+
+/// Installs or upgrades `release` from the test bed's registry, as a user would.
 pub fn helm_from_registry(
     release: &Release,
     subcommand: &str,
-    version: &str,
+    chart: ChartRef,
     extra: &[&str],
 ) -> String {
     let watch = format!("controller.watchNamespace={}", release.namespace);
-    let mut args = vec!["--version", version, "--plain-http", "--set", &watch];
+    let mut args = vec!["--plain-http", "--set", &watch];
+    let chart = match chart {
+        ChartRef::Version(v) => {
+            args.extend(["--version", v]);
+            oci_chart()
+        }
+        ChartRef::Digest(d) => format!("{}@{d}", oci_chart()),
+    };
     args.extend(extra);
-    release.run(subcommand, &args)
+    release.run_chart(subcommand, &chart, &args)
 }
