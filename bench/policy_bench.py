@@ -23,6 +23,10 @@ apiserver - policy-apiserver: the same protected ConfigMap update through the AP
               policy's own apiserver_validating_admission_policy_check_* series count only
               denials in v1.37, with buckets of 0.5 us, 1 ms, 10 ms...: not used.)
           Rounds rotate the order of the modes.
+layout    - policy-layout (issue 37, measured before building it): one binding for every lease, its
+          paramRef selecting the FencedLeases of the written object's own namespace; PER x PER
+          leases and one namespace of PER*PER: the validating step's percentiles against one
+          lease's, and the API server's memory for the binding. See layout().
 scale     - policy-scale: the API server's cost of N FencedLeases, each with its binding (the
           controller's). Stages: one lease with its binding; N leases (controller stopped, so
           still one binding); N leases and N bindings (controller started, binds them all). At
@@ -538,13 +542,116 @@ def scale(args, kube: Kube, work: Path) -> dict:
     return res
 
 
+# -- part 3: a layout with no binding per lease (issue 37) ----------------------------------
+
+
+def selector_binding(kube: Kube, policy: str, name: str) -> None:
+    """One binding for every lease: paramRef without a namespace (the written object's own) and
+    with an empty selector (every FencedLease there), a namespace without any refusing
+    (parameterNotFoundAction Deny). The policy judges only the lease the object's label names
+    (variables.judged); each of the namespace's leases is evaluated, and the results ANDed."""
+    kube.request("POST", BINDINGS, {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name, "labels": {"fencedlease.io/policy": policy_hash(policy)}},
+        "spec": {"policyName": policy, "validationActions": ["Deny"],
+                 "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"}}})
+
+
+def layout(args, kube: Kube, work: Path) -> dict:
+    """policy-layout: the binding layout issue 37 proposes, measured before it is built. Stages:
+    (1) one lease, the selector binding: writes; (2) the binding removed, leases added in two
+    layouts, `per` namespaces of `per` leases (the measured namespace among them) and one
+    namespace of `per`*`per`: the API server's footprint; (3) the binding back: footprint (the
+    policy machinery's memory is the difference) and writes in each layout. Also what a write
+    naming a lease that does not exist meets, in a namespace with leases and in one without."""
+    per = args.per
+    sfx = lib.rand_suffix()
+    ns, big = f"bench-vaplayout-{sfx}", f"bench-vaplayout-big-{sfx}"
+    others = [f"bench-vaplayout-{sfx}-{k:03d}" for k in range(1, per)]
+    for n in [ns, big, *others]:
+        kube.create_namespace(n, {MODE_LABEL: "policy"})
+    empty = f"bench-vaplayout-empty-{sfx}"
+    kube.create_namespace(empty, {MODE_LABEL: "policy"})
+    uid, gen = held_lease(kube, ns, "inventory")
+    buid, bgen = held_lease(kube, big, "inventory")
+    kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
+                 "application/merge-patch+json")
+    kube.request("PATCH", f"/api/v1/namespaces/{big}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
+                 "application/merge-patch+json")
+    w, wbig = Writer(kube, ns, "inventory", uid, gen), Writer(kube, big, "inventory", buid, bgen)
+    for n in (ns, big):
+        kube.request("PATCH", f"/api/v1/namespaces/{n}", {"metadata": {"labels": {MODE_LABEL: "policy"}}},
+                     "application/merge-patch+json")
+    policy = install_policy(kube, f"bench-vl-{sfx}", ns, work)
+    bname = f"bench-vl-{sfx}"
+    res: dict = {"per_namespace": per, "namespaces": per, "big_namespace_leases": per * per,
+                 "updates": args.updates, "settle_s": args.settle, "idle_s": args.idle}
+    try:
+        selector_binding(kube, policy, bname)
+        lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "policy", 60,
+                       "the selector binding to judge the lease's objects")
+        step("policy-layout: one lease, one binding for all")
+        res["one"] = footprint(kube, args.settle, args.idle, "1 lease, the selector binding")
+        one = measure(kube, w, args.updates, args.updates_warmup, "1 lease", args.max_seconds)
+        check_server(one, args.updates, "policy", args.expect_fine_buckets)
+        res["one"]["writes"] = strip(one)
+        res["missing_lease_with_leases"] = judged_by(kube, ns, "no-such-lease")
+        res["missing_lease_no_leases"] = judged_by(kube, empty, "no-such-lease")
+        log(f"  a write naming a missing lease: {res['missing_lease_with_leases']} where the namespace "
+            f"has leases, {res['missing_lease_no_leases']} where it has none")
+
+        step(f"policy-layout: {per} x {per} and 1 x {per * per} FencedLeases, no binding")
+        kube.request("DELETE", f"{BINDINGS}/{bname}", ok=(200, 404))
+        lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "none", 60, "the binding to go")
+        t0 = time.monotonic()
+        lib.create_leases(kube, ns, [f"lease-{i:05d}" for i in range(1, per)])
+        for n in others:
+            lib.create_leases(kube, n, [f"lease-{i:05d}" for i in range(per)], log_every=10**9)
+        lib.create_leases(kube, big, [f"lease-{i:05d}" for i in range(1, per * per)], log_every=2000)
+        res["create_s"] = time.monotonic() - t0
+        res["leases"] = footprint(kube, args.settle, args.idle, f"{2 * per * per} leases, no binding")
+
+        step("policy-layout: the selector binding over them all")
+        t0 = time.monotonic()
+        selector_binding(kube, policy, bname)
+        for n, lease in ((ns, f"lease-{per - 1:05d}"), (big, f"lease-{per * per - 1:05d}")):
+            lib.wait_until(lambda: judged_by(kube, n, lease) == "policy", 300,
+                           f"the selector binding to judge {n}'s objects", interval=0.5)
+        res["judged_s"] = time.monotonic() - t0
+        res["bound"] = footprint(kube, args.settle, args.idle, f"{2 * per * per} leases, the selector binding")
+        spread = measure(kube, w, args.updates, args.updates_warmup, f"{per} leases in the namespace",
+                         args.max_seconds)
+        check_server(spread, args.updates, "policy", args.expect_fine_buckets)
+        res["bound"]["writes_spread"] = strip(spread)
+        one_ns = measure(kube, wbig, args.updates, args.updates_warmup, f"{per * per} leases in the namespace",
+                         args.max_seconds)
+        check_server(one_ns, args.updates, "policy", args.expect_fine_buckets)
+        res["bound"]["writes_one_namespace"] = strip(one_ns)
+    finally:
+        kube.request("DELETE", f"{BINDINGS}/{bname}", ok=(200, 404))
+        remove_policy(kube, policy)
+        for n in (ns, big, empty, *others):
+            kube.request("PATCH", f"/api/v1/namespaces/{n}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
+                         "application/merge-patch+json")
+    base = res["one"]["writes"]["server"]["step_validate"]
+    res["ratios"] = {
+        f"{k}_p99_vs_one": (res["bound"][k]["server"]["step_validate"].get("p99") or 0) / base["p99"]
+        for k in ("writes_spread", "writes_one_namespace") if base.get("p99")}
+    res["policy_machinery_rss_mib"] = res["bound"]["apiserver_rss_mib"] - res["leases"]["apiserver_rss_mib"]
+    log(f"policy-layout: validating step p99 / one lease's: {res['ratios']}; the binding over "
+        f"{2 * per * per} leases added {res['policy_machinery_rss_mib']:.0f} MiB RSS to the API server")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["apiserver", "scale"])
+    ap.add_argument("part", choices=["apiserver", "scale", "layout"])
     ap.add_argument("--updates", type=int, default=1000, help="measured updates of each kind per measurement")
     ap.add_argument("--updates-warmup", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=1, help="apiserver: rounds of the three modes")
     ap.add_argument("--n", type=int, default=10000, help="scale: FencedLeases (and bindings)")
+    ap.add_argument("--per", type=int, default=100,
+                    help="layout: PER namespaces of PER leases, and one namespace of PER*PER")
     ap.add_argument("--settle", type=float, default=20, help="scale: seconds before each footprint")
     ap.add_argument("--idle", type=float, default=10, help="scale: seconds of each idle CPU reading")
     ap.add_argument("--timeout", type=float, default=900)
@@ -569,7 +676,8 @@ def main() -> None:
     lib.install_crd()
     work = lib.WORK / f"policy-{args.part}-{lib.rand_suffix()}"
     started = time.monotonic()
-    data = apiserver(args, kube, work) if args.part == "apiserver" else scale(args, kube, work)
+    parts = {"apiserver": apiserver, "scale": scale, "layout": layout}
+    data = parts[args.part](args, kube, work)
     data.update({"benchmark": name, "wall_s": time.monotonic() - started})
     lib.write_result(args.out, name, data)
 

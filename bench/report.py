@@ -644,6 +644,46 @@ def main() -> None:
                     f"p50 {dl['write_added_p50_ms']:+.2f} ms, p99 {dl['write_added_p99_ms']:+.2f} ms vs 1 binding",
                     "figures only: issue 18 asks for the measurement, it sets no bound")
 
+    d = load(run, "policy-layout")
+    if d and d.get("skipped"):
+        md.append(f"\n### Policy mode, one binding for all leases (issue 37)\n\nnot measured: {d['skipped']}")
+    elif d:
+        per = d["per_namespace"]
+        md.append(f"\n### Policy mode, one binding for all leases (issue 37, measured before it is built)\n")
+        md.append("One ValidatingAdmissionPolicyBinding whose paramRef selects every FencedLease of the written "
+                  "object's own namespace (no per-lease binding); each is evaluated per write.\n")
+        md.append("| leases in the written object's namespace | validating step p50 / p99 (API server, ms) | "
+                  "p99 / one lease's | protected write added p50 / p99 (client, ms) |\n|---|---|---|---|")
+        base = d["one"]["writes"]["server"]["step_validate"]
+        rows = {}
+        for key, label, w in (("one", "1", d["one"]["writes"]),
+                              ("spread", f"{per} ({per} namespaces of {per})", d["bound"]["writes_spread"]),
+                              ("one_namespace", f"{per * per} (one namespace)", d["bound"]["writes_one_namespace"])):
+            st = w["server"]["step_validate"]
+            ratio = st["p99"] / base["p99"] if st.get("p99") and base.get("p99") else None
+            rows[key] = {"step_validate_ms": {q: r3(st.get(q)) for q in ("p50", "p99")}, "p99_ratio": r3(ratio),
+                         "added_ms": {q: r3(w["added_ms"][q]) for q in ("p50", "p99")}}
+            md.append(f"| {label} | {le(st.get('p50'))} / {le(st.get('p99'))} | "
+                      f"{'-' if ratio is None else f'{ratio:.2f}'} | {w['added_ms']['p50']:.2f} / {w['added_ms']['p99']:.2f} |")
+        mem = d["policy_machinery_rss_mib"]
+        md.append(f"\nThe binding over {2 * per * per} leases: {mem:+.0f} MiB of API server RSS "
+                  f"({d['leases']['apiserver_rss_mib']:.0f} MiB with the leases and no binding, "
+                  f"{d['bound']['apiserver_rss_mib']:.0f} MiB with it), in effect {d['judged_s']:.1f} s after it was "
+                  f"created. A write naming a lease that does not exist: {d['missing_lease_with_leases']} in a "
+                  f"namespace with leases, {d['missing_lease_no_leases']} in one without (none = accepted).")
+        summary["policy_layout"] = {"per": per, "rows": rows, "policy_machinery_rss_mib": r3(mem),
+                                    "missing_lease_with_leases": d["missing_lease_with_leases"],
+                                    "missing_lease_no_leases": d["missing_lease_no_leases"]}
+        if per >= 100 and rows["spread"]["p99_ratio"] is not None:
+            verdict(f"policy mode, one binding, {per} x {per} leases: validating step p99 within 2x of one lease's (issue 37)",
+                    rows["spread"]["p99_ratio"] <= 2.0,
+                    f"p99 {le(rows['spread']['step_validate_ms']['p99'])} ms vs {le(base.get('p99'))} ms "
+                    f"({rows['spread']['p99_ratio']:.2f}x); one namespace of {per * per}: "
+                    f"{le(rows['one_namespace']['step_validate_ms']['p99'])} ms",
+                    "met if the ratio is at most 2 (bucket upper bounds of the API server's histogram)")
+            verdict(f"policy mode, one binding over {2 * per * per} leases: API server memory under 50 MiB (issue 37)",
+                    mem < 50, f"{mem:+.0f} MiB RSS", "met if the binding adds less than 50 MiB of RSS")
+
     # -- controller --------------------------------------------------------------------------
     d = load(run, "controller-scale")
     if d:

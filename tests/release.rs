@@ -480,6 +480,23 @@ fn run_in(dir: &std::path::Path, program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Creates lease `name` held by `holder` for the longest lease there is: the test's holders do
+/// not renew, and the release's controller revokes a holder whose lease runs out (seen in CI,
+/// where the upgrade took longer than the default lease).
+async fn long_held_lease(client: &Client, ns: &str, name: &str, holder: &str) -> Held {
+    let mut spec = fencedlease::api::FencedLeaseSpec::free();
+    spec.holder_identity = Some(holder.into());
+    spec.lease_duration_seconds = fencedlease::api::MAX_LEASE_DURATION_SECONDS;
+    let l = Api::<FencedLease>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &FencedLease::new(name, spec))
+        .await
+        .unwrap_or_else(|e| panic!("creating lease {ns}/{name}: {e}"));
+    Held {
+        token: l.token().expect("generation"),
+        uid: l.metadata.uid.clone().expect("uid"),
+    }
+}
+
 /// What a writer saw: when it sent each write and whether it was accepted (else the refusal).
 #[derive(Default)]
 struct Outcomes {
@@ -607,7 +624,7 @@ async fn upgrade_and_downgrade_under_a_stale_writer_accept_no_stale_write() {
     wait_operator_ready(&client, &release, 2).await;
     wait_certificate_and_ca_bundles(&client, &release).await;
     assert_runs(&client, &release, &previous.image("fencedlease")).await;
-    let replaced = held_lease(&client, &ns.name, "app", "app-0").await;
+    let replaced = long_held_lease(&client, &ns.name, "app", "app-0").await;
     let holder = move_lease(&client, &ns.name, "app", "app-1").await;
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
     eventually(
