@@ -660,11 +660,11 @@ def main() -> None:
                               ("spread", f"{per} ({per} namespaces of {per})", d["bound"]["writes_spread"]),
                               ("one_namespace", f"{per * per} (one namespace)", d["bound"]["writes_one_namespace"])):
             st = w["server"]["step_validate"]
-            ratio = st["p99"] / base["p99"] if st.get("p99") and base.get("p99") else None
-            rows[key] = {"step_validate_ms": {q: r3(st.get(q)) for q in ("p50", "p99")}, "p99_ratio": r3(ratio),
+            times = st["p99"] / base["p99"] if st.get("p99") and base.get("p99") else None
+            rows[key] = {"step_validate_ms": {q: r3(st.get(q)) for q in ("p50", "p99")}, "p99_ratio": r3(times),
                          "added_ms": {q: r3(w["added_ms"][q]) for q in ("p50", "p99")}}
             md.append(f"| {label} | {le(st.get('p50'))} / {le(st.get('p99'))} | "
-                      f"{'-' if ratio is None else f'{ratio:.2f}'} | {w['added_ms']['p50']:.2f} / {w['added_ms']['p99']:.2f} |")
+                      f"{'-' if times is None else f'{times:.2f}'} | {w['added_ms']['p50']:.2f} / {w['added_ms']['p99']:.2f} |")
         mem = d["policy_machinery_rss_mib"]
         md.append(f"\nThe binding over {2 * per * per} leases: {mem:+.0f} MiB of API server RSS "
                   f"({d['leases']['apiserver_rss_mib']:.0f} MiB with the leases and no binding, "
