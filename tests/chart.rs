@@ -1541,10 +1541,37 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             "{mode}: {configs}"
         );
         let role = grants(named(&docs, "ClusterRole", "mode-fencedlease"));
-        let binds = "create admissionregistration.k8s.io/validatingadmissionpolicybindings";
-        assert_eq!(role.iter().any(|g| g == binds), policy, "{mode}: {role:?}");
+        // The controller only removes the per-lease bindings of releases up to 0.2.0.
+        let removes = "delete admissionregistration.k8s.io/validatingadmissionpolicybindings";
+        assert_eq!(
+            role.iter().any(|g| g == removes),
+            policy,
+            "{mode}: {role:?}"
+        );
+        let makes = "create admissionregistration.k8s.io/validatingadmissionpolicybindings";
+        assert!(!role.iter().any(|g| g == makes), "{mode}: {role:?}");
+        assert_eq!(
+            find(&docs, "ValidatingAdmissionPolicyBinding").len(),
+            usize::from(policy),
+            "{mode}: the chart's one binding"
+        );
         if policy {
+            // One binding for every lease: the written object's namespace's FencedLeases are
+            // its parameters, and the policy judges only the one the object's label names.
+            let b = one(&docs, "ValidatingAdmissionPolicyBinding");
+            assert_eq!(b["metadata"]["name"], "mode-fencedlease-fencing");
+            assert_eq!(b["spec"]["policyName"], "mode-fencedlease-fencing");
+            assert_eq!(
+                b["spec"]["paramRef"],
+                serde_json::json!({"selector": {}, "parameterNotFoundAction": "Allow"})
+            );
+            assert_eq!(b["spec"]["validationActions"], serde_json::json!(["Deny"]));
+            assert!(b["spec"].get("matchResources").is_none(), "{b}");
             let p = one(&docs, "ValidatingAdmissionPolicy");
+            let judged = p["spec"]["matchConditions"][0]["expression"]
+                .as_str()
+                .expect("the judging lease's matchCondition");
+            assert!(judged.ends_with("== params.metadata.name"), "{judged}");
             assert_eq!(p["metadata"]["name"], "mode-fencedlease-fencing");
             assert_eq!(args[flag.expect("flag") + 1], "mode-fencedlease-fencing");
             assert!(role.contains(

@@ -1,6 +1,7 @@
 //! Policy mode (issue 18): with NO webhook running, the API server itself refuses stale writes
 //! to protected objects, evaluating the chart's ValidatingAdmissionPolicy with the object's
-//! FencedLease as its parameter, through the binding the controller keeps for that lease.
+//! FencedLease as its parameter, through the chart's one binding (issue 37). No controller runs
+//! in these stories: the controller is not on the fencing path.
 //!
 //! The webhook's stories play here unchanged (`tests/common/stories.rs`): the same writes get
 //! the same verdicts, messages and status (403 Forbidden). Then what differs: the
@@ -103,15 +104,15 @@ async fn policy_mode_exempt_controllers_pass_while_they_leave_the_fencing_metada
 }
 
 /// Where policy mode differs from the webhook, shown: a write labelled for a lease that does not
-/// exist matches no binding and is NOT checked (the webhook refuses it); the namespace's warn
-/// mode is not honoured (refusals stay refusals, with no warning); a deleted lease's binding is
-/// removed by the controller's sweep, and until then its objects' writes are refused.
+/// exist finds no parameter to judge it and is NOT checked (the webhook refuses it), and so are
+/// a deleted lease's objects; the namespace's warn mode is not honoured (refusals stay
+/// refusals, with no warning).
 #[tokio::test]
 async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
     let p = Protected::with_policy("vapdiff").await;
     let ns = &p.ns.name;
 
-    // No lease "ghost": no binding, so the API server lets the write through unchecked.
+    // No lease "ghost": nothing judges the write, so the API server lets it through unchecked.
     let ghost = json!({"metadata": {"name": "ghost", "labels": {LEASE: "ghost"}}});
     create::<ConfigMap>(&p.cms, ghost)
         .await
@@ -132,45 +133,15 @@ async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
         "does not present a token of its own",
     );
 
-    // A deleted lease: the controller's sweep removes its binding; until it has, writes to the
-    // lease's objects are refused (the binding's parameter cannot be found: Deny).
-    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
-    let policy = match &p.wh {
-        common::fencing::Guard::Policy(f) => f.name.clone(),
-        common::fencing::Guard::Webhook(_) => unreachable!("policy mode"),
-    };
-    let ours =
-        ListParams::default().labels(&format!("fencedlease.io/policy={}", policy_hash(&policy)));
-    let of_inv = |l: &[ValidatingAdmissionPolicyBinding]| {
-        l.iter().any(|b| {
-            b.spec
-                .as_ref()
-                .and_then(|s| s.param_ref.as_ref())
-                .and_then(|r| r.name.as_deref())
-                == Some("inv")
-        })
-    };
-    assert!(
-        of_inv(&bindings.list(&ours).await.expect("list").items),
-        "inv has a binding"
-    );
+    // A deleted lease: once the API server's view of the leases has lost it, nothing judges its
+    // objects' writes (policy mode only).
     Api::<FencedLease>::namespaced(p.client.clone(), ns)
         .delete("inv", &DeleteParams::default())
         .await
         .expect("delete the lease");
     eventually(
         Duration::from_secs(20),
-        "the sweep to remove inv's binding",
-        || async {
-            let l = bindings.list(&ours).await.ok()?.items;
-            (!of_inv(&l)).then_some(())
-        },
-    )
-    .await;
-    // With the binding gone, the lease's objects are not checked at all (policy mode only).
-    eventually(
-        Duration::from_secs(20),
-        "the API server to drop inv's binding",
+        "the API server to stop judging inv's objects",
         || async {
             merge(&p.cms, "inv", json!({"data": {"n": "unchecked"}}))
                 .await
@@ -181,8 +152,124 @@ async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
     .await;
 }
 
-/// The controller refuses to run policy mode without its policy (a binding of a missing policy
-/// would check nothing), and says what to do.
+/// A lease is fenced from the moment the API server has it, with no controller running and no
+/// binding made for it: the chart's one binding judges every lease of every namespace. And
+/// only the lease an object's label names judges its writes: the namespace's other leases
+/// (here, held at other tokens by other holders) never refuse them.
+#[tokio::test]
+async fn policy_mode_a_new_lease_is_fenced_without_a_controller_by_the_one_binding() {
+    use common::fencing::{held_lease, protected_meta};
+    let p = Protected::with_policy("vapnew").await;
+    let ns = &p.ns.name;
+    assert!(
+        p.policy().controller.is_none(),
+        "no controller in policy-mode stories"
+    );
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
+    let per_lease = bindings
+        .list(&ListParams::default())
+        .await
+        .expect("list bindings")
+        .items
+        .into_iter()
+        .filter(|b| {
+            b.spec.as_ref().and_then(|s| s.policy_name.as_deref()) == Some(p.policy().name.as_str())
+        })
+        .map(|b| b.metadata.name.unwrap_or_default())
+        .collect::<Vec<_>>();
+    assert_eq!(
+        per_lease,
+        vec![p.policy().name.clone()],
+        "the chart's binding only"
+    );
+    // Two more leases in the namespace, each at its own token.
+    let fresh = held_lease(&p.client, ns, "fresh", "pod-f").await;
+    let other = held_lease(&p.client, ns, "other", "pod-o").await;
+    p.judges("fresh").await;
+    let r = create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": {"name": "f1", "labels": {LEASE: "fresh"}}}),
+    )
+    .await;
+    assert_refused(
+        "an unstamped write to the new lease's object",
+        r,
+        403,
+        "every write must carry",
+    );
+    create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": protected_meta("f1", "fresh", &fresh)}),
+    )
+    .await
+    .expect("the new lease's holder writes");
+    // Another lease's token for this object: refused as a stamp of another lease incarnation.
+    let r = create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": protected_meta("f2", "fresh", &other)}),
+    )
+    .await;
+    assert_refused("another lease's stamp", r, 403, "belongs to an earlier");
+    // The first lease's holder still writes its own object, judged by "inv" alone.
+    fenced_merge(&p.cms, "inv", &p.a, json!({"data": {"by": "a again"}}))
+        .await
+        .expect("inv's holder writes while the namespace has other leases");
+}
+
+/// A controller in policy mode removes the per-lease bindings that releases up to 0.2.0 kept for
+/// its policy, and leaves every other binding alone; the writes stay judged throughout.
+#[tokio::test]
+async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
+    let mut p = Protected::with_policy("vaplegacy").await;
+    let ns = p.ns.name.clone();
+    let policy = p.policy().name.clone();
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
+    let legacy = |name: &str, policy: &str| -> ValidatingAdmissionPolicyBinding {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"fencedlease.io/policy": policy_hash(policy)}},
+            "spec": {
+                "policyName": policy,
+                "paramRef": {"name": "inv", "namespace": ns, "parameterNotFoundAction": "Deny"},
+                "matchResources": {"objectSelector": {"matchLabels": {LEASE: "inv"}}},
+                "validationActions": ["Deny"],
+            },
+        }))
+        .expect("binding literal")
+    };
+    let old = format!("{ns}.inv.fencedlease-{}", policy_hash(&policy));
+    // Another release's policy: not this controller's to remove.
+    let theirs = format!("{ns}.inv.fencedlease-theirs");
+    let pp = kube::api::PostParams::default();
+    bindings
+        .create(&pp, &legacy(&old, &policy))
+        .await
+        .expect("0.2.0's binding");
+    bindings
+        .create(&pp, &legacy(&theirs, "another-fencing"))
+        .await
+        .expect("another policy's binding");
+    let dir = common::procs::scratch_dir("vaplegacy-controller");
+    p.policy_mut().start_controller(&dir, &ns);
+    eventually(
+        Duration::from_secs(60),
+        "the controller to remove 0.2.0's per-lease binding",
+        || async { bindings.get_opt(&old).await.ok()?.is_none().then_some(()) },
+    )
+    .await;
+    let kept = bindings.get_opt(&theirs).await.expect("get");
+    let _ = bindings.delete(&theirs, &DeleteParams::default()).await;
+    assert!(kept.is_some(), "another policy's binding was removed");
+    let r = merge(&p.cms, "inv", json!({"data": {"n": "unstamped"}})).await;
+    assert_refused(
+        "an unstamped write",
+        r,
+        403,
+        "does not present a token of its own",
+    );
+}
+
+/// The controller refuses to run policy mode without its policy or its binding (either alone
+/// checks nothing), and says what to do.
 #[tokio::test]
 async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
     let client = common::client().await;
@@ -214,6 +301,19 @@ async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
         file.to_str().expect("utf-8"),
     ]);
     assert!(ok, "{out}{err}");
+    // The policy without its binding (which the chart renders beside it) checks nothing: the
+    // controller refuses that too.
+    let mut fence = common::policy::PolicyFence::start(&client, &dir, &ns.name).await;
+    let (ok, _, err) = kubectl(&["delete", "validatingadmissionpolicybinding", &fence.name]);
+    assert!(ok, "{err}");
+    let c = fence.start_controller(&dir, &ns.name);
+    let code = c.wait_exit(Duration::from_secs(20));
+    let log = c.log_tail();
+    assert_eq!(code, Some(1), "{log}");
+    assert!(
+        log.contains("a policy without a binding checks nothing"),
+        "{log}"
+    );
 }
 
 /// With pods fenced in policy mode, a kubelet (a node identity, never exempt otherwise) reports

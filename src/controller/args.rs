@@ -51,17 +51,13 @@ pub struct ControllerArgs {
     #[arg(long, env = "FENCEDLEASE_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
-    /// Policy mode: keep one ValidatingAdmissionPolicyBinding of this ValidatingAdmissionPolicy
-    /// (the chart's fencing policy) per FencedLease, so that the API server itself refuses
-    /// stale writes to the lease's protected objects. Needs Kubernetes 1.30 or later: the
-    /// controller refuses to start without the API or the policy.
+    /// Policy mode: the chart's fencing ValidatingAdmissionPolicy, whose one binding (of the
+    /// same name, also the chart's) makes the API server itself refuse stale writes to every
+    /// lease's protected objects. Needs Kubernetes 1.30 or later: the controller refuses to
+    /// start without the API, the policy or its binding. While active it removes the per-lease
+    /// bindings of releases up to 0.2.0.
     #[arg(long, value_name = "POLICY")]
     pub fencing_policy: Option<String>,
-    /// Policy mode: how often, in seconds, the active controller removes the bindings of
-    /// deleted FencedLeases and restores missing or changed ones.
-    #[arg(long, default_value_t = 30, requires = "fencing_policy",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub fencing_policy_sweep_seconds: u64,
     /// A namespace the fencing leaves out (the chart passes fencing.excludeNamespaces and, by
     /// default, its own): FencedLeases there get the condition Fenced=False and a Warning
     /// Event, since their tokens guard nothing. Repeat for each; none given: no Fenced

@@ -98,14 +98,14 @@ async fn adopt_election_lease(
     }
 }
 
-/// Policy mode, while this replica is active: every `period`, removes the bindings of leases
-/// that are gone and restores missing or changed ones (see [`crate::controller::policy::Bindings::sweep`]).
-async fn sweep_bindings(bindings: Arc<crate::controller::policy::Bindings>, period: Duration) {
-    loop {
-        if let Err(e) = bindings.sweep().await {
-            warn!(error = %short(&e), "sweeping the fencing bindings failed; retrying");
-        }
-        tokio::time::sleep(period).await;
+/// Policy mode, once per term: removes the per-lease bindings of releases up to 0.2.0 (see
+/// [`crate::controller::policy::remove_legacy_bindings`]), retrying until it has.
+async fn remove_legacy_bindings(client: Client, policy: String) {
+    let mut wait = Duration::from_secs(1);
+    while let Err(e) = crate::controller::policy::remove_legacy_bindings(&client, &policy).await {
+        warn!(error = %short(&e), "removing the per-lease fencing bindings of an earlier release failed; retrying");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(60));
     }
 }
 
@@ -137,17 +137,8 @@ pub(crate) async fn run(args: ControllerArgs) -> anyhow::Result<std::process::Ex
     )?;
     renewals.follow(handle.state.clone());
     let elector = rt.spawn_elector(elector);
-    let bindings = args.fencing_policy.clone().map(|p| {
-        Arc::new(crate::controller::policy::Bindings::new(
-            client.clone(),
-            p,
-            args.namespace.clone(),
-        ))
-    });
     let ctx = Arc::new(
-        Context::new(client.clone(), metrics, &identity)
-            .with_bindings(bindings)
-            .with_unfenced(&args.unfenced_namespaces),
+        Context::new(client.clone(), metrics, &identity).with_unfenced(&args.unfenced_namespaces),
     );
     ready.set(true);
     let active = Active {

@@ -18,7 +18,7 @@ use tracing::{debug, info, instrument, warn};
 use super::conditions::{
     desired_conditions, fenced_condition, merge_conditions, same_conditions, NOT_FENCED,
 };
-use super::error::{short, Error};
+use super::error::Error;
 use super::events::{publish, publish_event, LeaseEvent};
 use super::metrics::{ControllerMetrics, ResultLabel};
 use crate::api::{lease_of, LEADER_ROLE};
@@ -66,8 +66,6 @@ pub(crate) struct Context {
     pub(super) seen: Mutex<HashMap<String, Seen>>,
     /// Pods that belong to leases, fed by a watch of pods (see `crate::controller::pods`).
     pub(super) pods: Mutex<PodIndex>,
-    /// Policy mode: the fencing policy's bindings, one per lease.
-    pub(super) bindings: Option<Arc<crate::controller::policy::Bindings>>,
     /// The namespaces the fencing leaves out, when known (`--unfenced-namespace`).
     pub(super) unfenced: Option<std::collections::BTreeSet<String>>,
 }
@@ -88,7 +86,6 @@ impl Context {
             origin: crate::lease::clock::now(),
             seen: Mutex::new(HashMap::new()),
             pods: Mutex::new(PodIndex::default()),
-            bindings: None,
             unfenced: None,
         }
     }
@@ -96,15 +93,6 @@ impl Context {
     /// Knows which namespaces the fencing leaves out (none given: it does not know).
     pub(crate) fn with_unfenced(mut self, namespaces: &[String]) -> Context {
         self.unfenced = (!namespaces.is_empty()).then(|| namespaces.iter().cloned().collect());
-        self
-    }
-
-    /// Keeps the fencing policy's bindings too (policy mode).
-    pub(crate) fn with_bindings(
-        mut self,
-        bindings: Option<Arc<crate::controller::policy::Bindings>>,
-    ) -> Context {
-        self.bindings = bindings;
         self
     }
 }
@@ -122,29 +110,19 @@ pub(super) fn key(lease: &FencedLease) -> String {
 /// changes). Revocation and status never wait for the label.
 pub(super) const LABEL_RETRY: Duration = Duration::from_secs(5);
 
-/// How soon a lease whose fencing binding could not be applied is looked at again.
-pub(super) const BINDING_RETRY: Duration = Duration::from_secs(2);
-
 /// How soon a revocation that lost a race (the lease changed meanwhile) is looked at again.
 pub(super) const REVOKE_RACE_RETRY: Duration = Duration::from_millis(50);
 
 #[instrument(skip_all, fields(lease = %lease.name_any(), ns = ?lease.namespace()))]
 pub(crate) async fn reconcile(lease: Arc<FencedLease>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
-    let mut outcome = match LeaseReconcile::new(&lease, &ctx) {
+    let outcome = match LeaseReconcile::new(&lease, &ctx) {
         Ok(mut r) => run_steps(&mut r).await,
         Err(e) => Outcome {
             next: Err(e),
             label: Ok(()),
         },
     };
-    // Policy mode: the lease's binding, after the steps (it never holds up a revocation).
-    if let (Some(b), Some(ns)) = (&ctx.bindings, lease.namespace()) {
-        if let Err(e) = b.ensure(&ns, &lease.name_any()).await {
-            warn!(error = %short(&e), "could not apply the lease's fencing binding; retrying");
-            outcome.next = outcome.next.map(|n| n.within(BINDING_RETRY));
-        }
-    }
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());

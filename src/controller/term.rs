@@ -2,7 +2,6 @@
 //! term lasts.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -17,7 +16,7 @@ use tracing::{debug, info};
 use super::args::ControllerArgs;
 use super::reconcile::{error_policy, reconcile, Context};
 use super::streams::{lease_stream, pod_triggers};
-use super::{adopt_election_lease, cert_config, keep_certificates, sweep_bindings};
+use super::{adopt_election_lease, cert_config, keep_certificates, remove_legacy_bindings};
 use crate::api::FencedLease;
 use crate::controller::pods::PodIndex;
 use crate::lease::elector::LeaderState;
@@ -79,7 +78,7 @@ impl<'a> Active<'a> {
 }
 
 impl Term<'_> {
-    /// Reconciles (and keeps the bindings and certificates) until the term ends.
+    /// Reconciles (and keeps the certificates) until the term ends.
     pub(super) async fn lead(&self, state: &mut watch::Receiver<LeaderState>) -> TermEnd {
         let Active {
             args, client, ctx, ..
@@ -97,10 +96,10 @@ impl Term<'_> {
         // A fresh cache and pod index for every term: what an earlier term saw may be old.
         *ctx.pods.lock().unwrap_or_else(|p| p.into_inner()) = PodIndex::default();
         let (reader, writer) = reflector::store::<FencedLease>();
-        let sweep_task = ctx.bindings.clone().map(|b| {
-            let period = Duration::from_secs(args.fencing_policy_sweep_seconds);
-            tokio::spawn(sweep_bindings(b, period))
-        });
+        let legacy_task = args
+            .fencing_policy
+            .clone()
+            .map(|p| tokio::spawn(remove_legacy_bindings(client.clone(), p)));
         let namespace = args.namespace.as_deref();
         let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
             .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
@@ -117,7 +116,7 @@ impl Term<'_> {
         let ended = self.ended(state, controller).await;
         debug!(token = self.token.generation, ?ended, "the term ended");
         ctx.metrics.leading.set(0);
-        for t in [certs_task, sweep_task].into_iter().flatten() {
+        for t in [certs_task, legacy_task].into_iter().flatten() {
             t.abort();
         }
         ended

@@ -181,7 +181,7 @@ pub fn assert_refused<K: Debug>(what: &str, r: Result<K, Refused>, code: u16, wa
 pub enum Guard {
     /// The test's own `fencedlease webhook` (refusals are 403, as the policy's).
     Webhook(Webhook),
-    /// The chart's ValidatingAdmissionPolicy with the controller's bindings, no webhook
+    /// The chart's ValidatingAdmissionPolicy and its binding, no webhook and no controller
     /// (refusals are 403).
     Policy(PolicyFence),
 }
@@ -261,6 +261,22 @@ impl Protected {
         }
     }
 
+    /// The fencing policy (panics with the webhook).
+    pub fn policy(&self) -> &PolicyFence {
+        match &self.wh {
+            Guard::Policy(p) => p,
+            Guard::Webhook(_) => panic!("this test runs with the webhook: no policy"),
+        }
+    }
+
+    /// The fencing policy, to start its controller (panics with the webhook).
+    pub fn policy_mut(&mut self) -> &mut PolicyFence {
+        match &mut self.wh {
+            Guard::Policy(p) => p,
+            Guard::Webhook(_) => panic!("this test runs with the webhook: no policy"),
+        }
+    }
+
     pub fn policy_mode(&self) -> bool {
         matches!(self.wh, Guard::Policy(_))
     }
@@ -271,7 +287,7 @@ impl Protected {
     }
 
     /// Waits until writes labelled for `lease` are judged (at once with the webhook; in policy
-    /// mode once the controller's binding for the lease is in effect).
+    /// mode once the API server's view of the FencedLeases has the lease).
     pub async fn judges(&self, lease: &str) {
         if self.policy_mode() {
             super::policy::wait_judged(

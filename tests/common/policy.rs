@@ -1,21 +1,23 @@
-//! Policy mode for the fencing tests: the chart's ValidatingAdmissionPolicy (rendered from
-//! `charts/fencedlease/templates/fencing-policy.yaml`, the one definition of its CEL), scoped to
-//! one test namespace, and a real `fencedlease controller --fencing-policy` that keeps its
-//! bindings. No webhook runs: the API server judges the writes itself.
+//! Policy mode for the fencing tests: the chart's ValidatingAdmissionPolicy and its one binding
+//! (rendered from `charts/fencedlease/templates/fencing-policy.yaml`, the one definition of its
+//! CEL), scoped to one test namespace. No webhook and no controller run: the API server judges
+//! the writes itself, so every policy-mode story shows that the controller is off the fencing
+//! path. [`PolicyFence::start_controller`] adds a real `fencedlease controller --fencing-policy`
+//! where a test needs one.
 
 use std::path::Path;
 use std::time::Duration;
 
-use fencedlease::controller::policy::{policy_hash, POLICY_API};
+use fencedlease::controller::policy::POLICY_API;
 use kube::Client;
 
 use super::helm::{chart, helm_ok};
 use super::procs::{controller_with, Proc};
 
 pub struct PolicyFence {
-    /// The ValidatingAdmissionPolicy's name.
+    /// The ValidatingAdmissionPolicy's name, and its binding's.
     pub name: String,
-    pub controller: Proc,
+    pub controller: Option<Proc>,
 }
 
 /// Panics (the test fails, never skips) when the server lacks ValidatingAdmissionPolicy v1.
@@ -71,7 +73,7 @@ pub fn render_policy_with(release: &str, ns: &str, extra: &[&str]) -> String {
 }
 
 impl PolicyFence {
-    /// Installs the policy for namespace `ns` and starts the controller that binds it.
+    /// Installs the policy and its binding for namespace `ns`.
     pub async fn start(client: &Client, dir: &Path, ns: &str) -> PolicyFence {
         PolicyFence::start_with(client, dir, ns, &[]).await
     }
@@ -107,18 +109,16 @@ impl PolicyFence {
             !status.contains("expressionWarnings"),
             "the fencing policy's CEL has type-checking warnings: {status}"
         );
-        let controller = controller_with(
-            dir,
-            ns,
-            "controller",
-            &[
-                "--fencing-policy",
-                &name,
-                "--fencing-policy-sweep-seconds",
-                "1",
-            ],
-        );
-        PolicyFence { name, controller }
+        PolicyFence {
+            name,
+            controller: None,
+        }
+    }
+
+    /// Starts `fencedlease controller --fencing-policy` for this policy, in namespace `ns`.
+    pub fn start_controller(&mut self, dir: &Path, ns: &str) -> &mut Proc {
+        let c = controller_with(dir, ns, "controller", &["--fencing-policy", &self.name]);
+        self.controller.insert(c)
     }
 }
 
@@ -134,8 +134,7 @@ impl Drop for PolicyFence {
         let _ = super::kubectl(&[
             "delete",
             "validatingadmissionpolicybindings",
-            "-l",
-            &format!("fencedlease.io/policy={}", policy_hash(&self.name)),
+            &self.name,
             "--ignore-not-found",
             "--wait=false",
         ]);
@@ -143,7 +142,8 @@ impl Drop for PolicyFence {
 }
 
 /// Waits until a write labelled for `lease` in `ns` is judged (a labelled create without a
-/// token is refused by fencedlease): the binding exists and the API server has loaded it.
+/// token is refused by fencedlease): the API server has loaded the policy, its binding and the
+/// lease.
 pub async fn wait_judged(client: &Client, ns: &str, lease: &str, timeout: Duration) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::{Api, PostParams};
