@@ -52,3 +52,21 @@ def bootstrap_ci(a: list[float], b: list[float], p: float, n: int = BOOTSTRAP_RE
     diffs = sorted(pct(rng.choices(a, k=len(a)), p) - pct(rng.choices(b, k=len(b)), p)
                    for _ in range(n))
     return [pct(diffs, 2.5), pct(diffs, 97.5)]
+
+
+def hist_upper_ms(before: dict, after: dict, q: float) -> float | None:
+    """From two readings of a cumulative Prometheus histogram ({le: count}; keys as numbers or as
+    the strings JSON made of them): the upper bound, in ms, of the bucket holding quantile q of
+    the observations in between. None when there are none, or when it is the +Inf bucket."""
+    a = {float(k): v for k, v in after.items()}
+    b = {float(k): v for k, v in before.items()}
+    les = sorted(a)
+    if not les:
+        return None
+    total = a[les[-1]] - b.get(les[-1], 0)
+    if total <= 0:
+        return None
+    for le in les:
+        if a[le] - b.get(le, 0) >= q * total:
+            return None if le == float("inf") else le * 1e3
+    return None

@@ -1,11 +1,12 @@
-"""Policy mode benchmarks (issue 18): the chart's ValidatingAdmissionPolicy (fencing.mode: policy)
-with the bindings `fencedlease controller --fencing-policy` keeps, beside the webhook.
+"""Policy mode benchmarks (issue 18, issue 37): the chart's ValidatingAdmissionPolicy and its one
+binding (fencing.mode: policy), beside the webhook. No controller runs: the chart's binding takes
+every FencedLease of the written object's namespace as a parameter, and the policy's
+matchCondition keeps only the lease the object's label names.
 
 apiserver - policy-apiserver: the same protected ConfigMap update through the API server three
           ways in one run: no fencing, the webhook, the policy. Nothing is installed or removed
-          between them: the webhook (registered by URL, failurePolicy Fail), the policy, its
-          binding for the lease (made by the controller, running with --fencing-policy) are all
-          in place, and one namespace label, fencedlease.io/bench-fencing=none|webhook|policy,
+          between them: the webhook (registered by URL, failurePolicy Fail), the policy and its
+          binding are all in place, and one namespace label, fencedlease.io/bench-fencing=none|webhook|policy,
           which the webhook's and the policy's namespaceSelectors read, says which of them judges
           the namespace's writes (a probe checks that the API server sees the switch). In each
           mode, per round:
@@ -23,17 +24,13 @@ apiserver - policy-apiserver: the same protected ConfigMap update through the AP
               policy's own apiserver_validating_admission_policy_check_* series count only
               denials in v1.37, with buckets of 0.5 us, 1 ms, 10 ms...: not used.)
           Rounds rotate the order of the modes.
-layout    - policy-layout (issue 37, measured before building it): one binding for every lease, its
-          paramRef selecting the FencedLeases of the written object's own namespace; PER x PER
-          leases and one namespace of PER*PER: the validating step's percentiles against one
-          lease's, and the API server's memory for the binding. See layout().
-scale     - policy-scale: the API server's cost of N FencedLeases, each with its binding (the
-          controller's). Stages: one lease with its binding; N leases (controller stopped, so
-          still one binding); N leases and N bindings (controller started, binds them all). At
-          each stage after a settling pause: the API server's (and etcd's) resident memory from
-          /proc, its CPU seconds per second while idle, Go heap from its /metrics; from stage 1
-          and 3, protected writes judged by the policy as above (one binding vs N). Also the time
-          and the API server's CPU seconds for binding all N.
+layout    - policy-layout (issue 37): the chart's one binding at scale. Stages: one lease; PER
+          namespaces of PER leases (the measured namespace among them) with the binding removed,
+          then restored (the policy machinery's memory is the difference of the API server's
+          footprints), writes judged by the policy and, beside them, by the webhook (which reads
+          only the lease a write names); then one more namespace of PER*PER leases and writes
+          there. Each measurement keeps its per-write samples and the API server's histograms
+          before and after ("raw"), so that report.py can recompute every figure.
 """
 
 from __future__ import annotations
@@ -41,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -59,18 +57,6 @@ POLICIES = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
 # -- the policy -------------------------------------------------------------------------------
 
 
-def policy_hash(policy: str) -> str:
-    """src/controller/policy.rs policy_hash: FNV-1a, 32 bits, hex."""
-    h = 0x811C9DC5
-    for b in policy.encode():
-        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
-    return f"{h:08x}"
-
-
-def binding_name(policy: str, ns: str, lease: str) -> str:
-    return f"{ns}.{lease}.fencedlease-{policy_hash(policy)}"
-
-
 def helm() -> str:
     r = subprocess.run([str(lib.REPO / "hack/helm.sh")], capture_output=True, text=True)
     if r.returncode != 0:
@@ -79,8 +65,9 @@ def helm() -> str:
 
 
 def install_policy(kube: Kube, release: str, ns: str, work: Path) -> str:
-    """The chart's fencing policy (rendered as tests/common/policy.rs renders it), judging the
-    namespaces labelled fencedlease.io/bench-fencing=policy. Returns its name."""
+    """The chart's fencing policy and its binding (rendered as tests/common/policy.rs renders
+    them), judging the namespaces labelled fencedlease.io/bench-fencing=policy. Returns the
+    policy's name (the binding's too)."""
     sel = json.dumps({"matchLabels": {MODE_LABEL: "policy"}})
     r = subprocess.run([helm(), "template", release, str(lib.REPO / "charts/fencedlease"),
                         "--namespace", ns, "--set", "fencing.mode=policy",
@@ -106,30 +93,18 @@ def install_policy(kube: Kube, release: str, ns: str, work: Path) -> str:
     return name
 
 
+def remove_binding(kube: Kube, policy: str) -> None:
+    """Deletes the chart's binding (named as the policy); install_policy's file restores it."""
+    kube.request("DELETE", f"{BINDINGS}/{policy}", ok=(200, 404))
+
+
+def restore_binding(work: Path) -> None:
+    lib.kubectl("apply", "-f", str(work / "policy.yaml"))
+
+
 def remove_policy(kube: Kube, policy: str) -> None:
-    kube.request("DELETE", f"{BINDINGS}?labelSelector=fencedlease.io/policy%3D{policy_hash(policy)}",
-                 ok=(200, 404))
+    remove_binding(kube, policy)
     kube.request("DELETE", f"{POLICIES}/{policy}", ok=(200, 404))
-
-
-def start_controller(ns: str, ctl_ns: str, ident: str, policy: str, work: Path) -> tuple[lib.Proc, int]:
-    mport = lib.free_port()
-    p = lib.Proc(ident, [str(FENCEDLEASE), "controller", "--namespace", ns,
-                         "--election-namespace", ctl_ns, "--identity", ident,
-                         "--metrics-addr", f"127.0.0.1:{mport}", "--fencing-policy", policy],
-                 work / "logs", env={"KUBECONFIG": str(lib.kubeconfig()), "RUST_LOG": "warn"})
-    return p, mport
-
-
-def count_bindings(kube: Kube, policy: str) -> int:
-    n, cont = 0, ""
-    while True:
-        q = f"?labelSelector=fencedlease.io/policy%3D{policy_hash(policy)}&limit=5000"
-        lst = kube.request("GET", BINDINGS + q + (f"&continue={cont}" if cont else ""))
-        n += len(lst["items"])
-        cont = lst["metadata"].get("continue")
-        if not cont:
-            return n
 
 
 # -- switching and probing ------------------------------------------------------------------
@@ -272,7 +247,8 @@ def measure(kube: Kube, w: Writer, updates: int, warmup: int, label: str, max_s:
            "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
            "protected_alone_ms": stats(alone),
            "server": {k: hist_ms(before[k], after[k]) for k in before},
-           "_raw": {"protected": lat["protected"], "plain": lat["plain"], "before": before, "after": after}}
+           "_raw": {"protected": lat["protected"], "plain": lat["plain"], "alone": alone,
+                    "before": before, "after": after}}
     srv = res["server"]["step_validate"]
     log(f"  {label}: protected p50 {sp['p50']:.2f} ms p99 {sp['p99']:.2f} ms; plain p50 {sl['p50']:.2f} ms "
         f"p99 {sl['p99']:.2f} ms; added p50 {res['added_ms']['p50']:.2f} ms p99 {res['added_ms']['p99']:.2f} ms; "
@@ -319,7 +295,16 @@ def summarize(parts: list[dict]) -> dict:
 
 
 def strip(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k != "_raw"}
+    """The result as kept: the figures, and under "raw" what they were computed from (every
+    write's client-side milliseconds, rounded to the microsecond, and the API server's
+    cumulative histograms before and after the block of protected writes alone)."""
+    out = {k: v for k, v in res.items() if k != "_raw"}
+    raw = res["_raw"]
+    out["raw"] = {"protected_ms": [round(x, 3) for x in raw["protected"]],
+                  "plain_ms": [round(x, 3) for x in raw["plain"]],
+                  "protected_alone_ms": [round(x, 3) for x in raw["alone"]],
+                  "server_before": raw["before"], "server_after": raw["after"]}
+    return out
 
 
 def server_added(mode_srv: dict, none_srv: dict, key: str) -> dict:
@@ -333,22 +318,18 @@ def server_added(mode_srv: dict, none_srv: dict, key: str) -> dict:
 
 def apiserver(args, kube: Kube, work: Path) -> dict:
     sfx = lib.rand_suffix()
-    ns, ctl_ns = f"bench-vap-{sfx}", f"bench-vap-ctl-{sfx}"
+    ns = f"bench-vap-{sfx}"
     kube.create_namespace(ns, {MODE_LABEL: "none"})
-    kube.create_namespace(ctl_ns)
     uid, gen = held_lease(kube, ns, "inventory")
     w = Writer(kube, ns, "inventory", uid, gen)
     policy = install_policy(kube, f"bench-vap-{sfx}", ns, work)
-    ctl, _ = start_controller(ns, ctl_ns, "ctl-vap", policy, work)
     wh, port, _, bundle = lib.start_webhook("webhook-vap", work / "logs", work / "certs")
     hook = f"fencedlease-bench-{ns}"
     lib.register_webhook(kube, hook, port, bundle, ns, namespace_labels={MODE_LABEL: "webhook"})
     by_mode: dict[str, list[dict]] = {m: [] for m in MODES}
     switches: dict[str, list[float]] = {m: [] for m in MODES}
     try:
-        # The binding (the controller's) and the webhook in effect, each in its mode.
-        lib.wait_until(lambda: kube.get_opt(f"{BINDINGS}/{binding_name(policy, ns, 'inventory')}"), 60,
-                       "the controller to bind the lease")
+        # switch() waits until the API server judges by each mode.
         for r in range(args.repeat):
             order = MODES[r % 3:] + MODES[:r % 3]
             for mode in order:
@@ -360,12 +341,10 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                 check_server(res, args.updates, mode, args.expect_fine_buckets)
                 res["round"] = r + 1
                 by_mode[mode].append(res)
-        if not ctl.alive():
-            raise SystemExit(f"the controller exited; see {ctl.logfile}")
     finally:
         kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{hook}",
                      ok=(200, 404))
-        lib.stop_all([wh, ctl])
+        lib.stop_all([wh])
         remove_policy(kube, policy)
     modes = {m: summarize(by_mode[m]) for m in MODES}
     for m in MODES:
@@ -385,7 +364,7 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
             "repeat": args.repeat, "modes": modes}
 
 
-# -- part 2: N leases, N bindings -------------------------------------------------------------
+# -- part 2: the one binding at scale (issue 37) -------------------------------------------
 
 
 def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
@@ -419,250 +398,143 @@ def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
     return out
 
 
-def wait_reconciled(p: lib.Proc, mport: int, n: int, timeout: float) -> float:
-    t0 = time.monotonic()
-    next_log = 10.0
-    while True:
-        try:
-            rec = lib.metric_values(lib.http_get(mport, "/metrics"), "fencedlease_controller_reconciles_total")
-        except OSError:
-            rec = {}
-        ok = sum(rec.values())
-        el = time.monotonic() - t0
-        if ok >= n:
-            return el
-        if not p.alive():
-            raise SystemExit(f"the controller exited; see {p.logfile}")
-        if el > timeout:
-            raise SystemExit(f"only {ok:.0f}/{n} leases reconciled after {timeout:.0f} s")
-        if el >= next_log:
-            log(f"  {ok:.0f}/{n} leases reconciled ({el:.0f} s)")
-            next_log += 10
-        time.sleep(0.2)
+def unfenced(kube: Kube, *namespaces: str) -> None:
+    for n in namespaces:
+        kube.request("PATCH", f"/api/v1/namespaces/{n}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
+                     "application/merge-patch+json")
 
 
-def binding_applies(kube: Kube) -> float:
-    """Server-side apply requests on bindings so far (the API server's apiserver_request_total)."""
-    return sum(v for k, v in lib.metric_values(kube.request("GET", "/metrics"), "apiserver_request_total").items()
-               if 'resource="validatingadmissionpolicybindings"' in k and 'verb="APPLY"' in k)
-
-
-def wait_quiet(kube: Kube, timeout: float) -> float:
-    """Until the controller has stopped applying bindings (no apply for 5 s); returns the count."""
-    last, since, t0 = binding_applies(kube), time.monotonic(), time.monotonic()
-    while time.monotonic() - since < 5:
-        if time.monotonic() - t0 > timeout:
-            raise SystemExit(f"the controller still applies bindings after {timeout:.0f} s")
-        time.sleep(1)
-        now = binding_applies(kube)
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
-
-
-def scale(args, kube: Kube, work: Path) -> dict:
-    n = args.n
-    sfx = lib.rand_suffix()
-    ns, ctl_ns = f"bench-vapscale-{sfx}", f"bench-vapscale-ctl-{sfx}"
+def layout_writer(kube: Kube, ns: str) -> Writer:
+    """Lease "inventory" held in `ns` and its writer's two ConfigMaps, created while nothing
+    judges the namespace; then the policy judges it."""
     kube.create_namespace(ns, {MODE_LABEL: "none"})
-    kube.create_namespace(ctl_ns)
     uid, gen = held_lease(kube, ns, "inventory")
     w = Writer(kube, ns, "inventory", uid, gen)
     kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {MODE_LABEL: "policy"}}},
                  "application/merge-patch+json")
-    policy = install_policy(kube, f"bench-vs-{sfx}", ns, work)
-    res: dict = {"n": n, "namespace": ns, "policy": policy, "updates": args.updates,
-                 "settle_s": args.settle, "idle_s": args.idle}
-    ctl, mport = start_controller(ns, ctl_ns, "ctl-vs-1", policy, work)
-    procs = [ctl]
-    api = proc_pid("kube-apiserver")
-    try:
-        lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "policy", 60,
-                       "the policy to judge the lease's objects (its binding)")
-        step("policy-scale: one lease, one binding")
-        res["one"] = footprint(kube, args.settle, args.idle, "1 lease, 1 binding")
-        one = measure(kube, w, args.updates, args.updates_warmup, "1 binding", args.max_seconds)
-        check_server(one, args.updates, "policy", args.expect_fine_buckets)
-        res["one"]["writes"] = strip(one)
-
-        step(f"policy-scale: {n} FencedLeases (controller stopped: one binding)")
-        ctl.signal(15)
-        lib.wait_until(lambda: not ctl.alive(), 30, "the controller to stop")
-        names = [f"lease-{i:05d}" for i in range(1, n)]
-        c0 = lib.cpu_seconds(api)
-        res["create_s"] = lib.create_leases(kube, ns, names, log_every=2000)
-        res["create_apiserver_cpu_s"] = lib.cpu_seconds(api) - c0
-        res["leases"] = footprint(kube, args.settle, args.idle, f"{n} leases, 1 binding")
-
-        step(f"policy-scale: the controller binds {n} leases")
-        a0 = binding_applies(kube)
-        c0, t0 = lib.cpu_seconds(api), time.monotonic()
-        ctl, mport = start_controller(ns, ctl_ns, "ctl-vs-2", policy, work)
-        procs.append(ctl)
-        res["reconciled_s"] = wait_reconciled(ctl, mport, n, args.timeout)
-        got = lib.wait_until(lambda: (c := count_bindings(kube, policy)) >= n and c, args.timeout,
-                             f"{n} bindings", interval=2.0)
-        res["bound_s"] = time.monotonic() - t0
-        # The API server has loaded the last ones: a write labelled for the last lease is judged.
-        lib.wait_until(lambda: judged_by(kube, ns, names[-1]) == "policy", 300,
-                       "the API server to judge by the newest bindings", interval=0.5)
-        res["judged_s"] = time.monotonic() - t0
-        # Then until the controller is done: at the start of its term it applies every binding
-        # from its reconciles and again from its first sweep.
-        res["binding_applies"] = wait_quiet(kube, args.timeout) - a0
-        res["quiet_s"] = time.monotonic() - t0 - 5
-        res["bind_apiserver_cpu_s"] = lib.cpu_seconds(api) - c0
-        res["bindings"] = got
-        log(f"  {got} bindings after {res['bound_s']:.1f} s, in effect after {res['judged_s']:.1f} s, "
-            f"the controller done after {res['quiet_s']:.1f} s ({res['binding_applies']:.0f} applies); "
-            f"the API server spent {res['bind_apiserver_cpu_s']:.1f} CPU seconds meanwhile")
-        res["bound"] = footprint(kube, args.settle, args.idle, f"{n} leases, {got} bindings")
-        many = measure(kube, w, args.updates, args.updates_warmup, f"{got} bindings", args.max_seconds)
-        check_server(many, args.updates, "policy", args.expect_fine_buckets)
-        res["bound"]["writes"] = strip(many)
-        if not ctl.alive():
-            raise SystemExit(f"the controller exited; see {ctl.logfile}")
-    finally:
-        lib.stop_all(procs)
-        remove_policy(kube, policy)
-        # No fencing left on the namespace (its leases stay, as controller-scale's do).
-        kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
-                     "application/merge-patch+json")
-    a, b = res["one"], res["bound"]
-    res["delta"] = {
-        "apiserver_rss_mib_leases": res["leases"]["apiserver_rss_mib"] - a["apiserver_rss_mib"],
-        "apiserver_rss_mib_bindings": b["apiserver_rss_mib"] - res["leases"]["apiserver_rss_mib"],
-        "apiserver_heap_mib_bindings": b["apiserver_heap_inuse_mib"] - res["leases"]["apiserver_heap_inuse_mib"],
-        "apiserver_idle_cpu_per_s_bindings": b["apiserver_idle_cpu_per_s"] - res["leases"]["apiserver_idle_cpu_per_s"],
-        "write_added_p50_ms": b["writes"]["added_ms"]["p50"] - a["writes"]["added_ms"]["p50"],
-        "write_added_p99_ms": b["writes"]["added_ms"]["p99"] - a["writes"]["added_ms"]["p99"],
-    }
-    log(f"policy-scale: bindings added {res['delta']['apiserver_rss_mib_bindings']:.0f} MiB RSS to the API "
-        f"server ({n} leases alone: {res['delta']['apiserver_rss_mib_leases']:.0f} MiB)")
-    return res
+    return w
 
 
-# -- part 3: a layout with no binding per lease (issue 37) ----------------------------------
+def cpu_profile(out: Path, seconds: int) -> threading.Thread:
+    """The API server's CPU profile (Go pprof, /debug/pprof/profile) over the next `seconds`,
+    written to `out`: read it with `go tool pprof -top -cum FILE`."""
+    def grab() -> None:
+        r = subprocess.run(["kubectl", "--kubeconfig", str(lib.kubeconfig()), "get", "--raw",
+                            f"/debug/pprof/profile?seconds={seconds}"], capture_output=True)
+        if r.returncode == 0:
+            out.write_bytes(r.stdout)
+        else:
+            log(f"  the API server's CPU profile failed: {r.stderr.decode(errors='replace')[-400:]}")
+    t = threading.Thread(target=grab, daemon=True)
+    t.start()
+    return t
 
 
-def selector_binding(kube: Kube, policy: str, name: str) -> None:
-    """One binding for every lease: paramRef without a namespace (the written object's own) and
-    with an empty selector (every FencedLease there), a namespace without any refusing
-    (parameterNotFoundAction Deny). The policy judges only the lease the object's label names
-    (variables.judged); each of the namespace's leases is evaluated, and the results ANDed."""
-    kube.request("POST", BINDINGS, {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": name, "labels": {"fencedlease.io/policy": policy_hash(policy)}},
-        "spec": {"policyName": policy, "validationActions": ["Deny"],
-                 "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"}}})
+def measured(kube: Kube, w: Writer, args, label: str, mode: str = "policy") -> dict:
+    res = measure(kube, w, args.updates, args.updates_warmup, label, args.max_seconds)
+    check_server(res, args.updates, mode, args.expect_fine_buckets)
+    return strip(res)
 
 
 def layout(args, kube: Kube, work: Path) -> dict:
-    """policy-layout: the binding layout issue 37 proposes, measured before it is built. Stages:
-    (1) one lease, the selector binding: writes; (2) the binding removed, leases added in two
-    layouts, `per` namespaces of `per` leases (the measured namespace among them) and one
-    namespace of `per`*`per`: the API server's footprint; (3) the binding back: footprint (the
-    policy machinery's memory is the difference) and writes in each layout. Also what a write
-    naming a lease that does not exist meets, in a namespace with leases and in one without."""
+    """policy-layout: the chart's one binding (its paramRef selects the FencedLeases of the
+    written object's own namespace; the policy's matchCondition keeps the one the label names).
+    Stages: (1) one lease: footprint and writes, and what a write naming a lease that does not
+    exist meets; (2) the binding removed, `per` namespaces of `per` leases created (the measured
+    namespace among them): footprint; (3) the binding back: footprint (the policy machinery's
+    memory is the difference), writes judged by the policy, then by the webhook (the namespace
+    switched to it); (4) one more namespace of `per`*`per` leases: writes there."""
     per = args.per
     sfx = lib.rand_suffix()
     ns, big = f"bench-vaplayout-{sfx}", f"bench-vaplayout-big-{sfx}"
     others = [f"bench-vaplayout-{sfx}-{k:03d}" for k in range(1, per)]
-    for n in [ns, big, *others]:
-        kube.create_namespace(n, {MODE_LABEL: "policy"})
     empty = f"bench-vaplayout-empty-{sfx}"
-    kube.create_namespace(empty, {MODE_LABEL: "policy"})
-    uid, gen = held_lease(kube, ns, "inventory")
-    buid, bgen = held_lease(kube, big, "inventory")
-    kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
-                 "application/merge-patch+json")
-    kube.request("PATCH", f"/api/v1/namespaces/{big}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
-                 "application/merge-patch+json")
-    w, wbig = Writer(kube, ns, "inventory", uid, gen), Writer(kube, big, "inventory", buid, bgen)
-    for n in (ns, big):
-        kube.request("PATCH", f"/api/v1/namespaces/{n}", {"metadata": {"labels": {MODE_LABEL: "policy"}}},
-                     "application/merge-patch+json")
+    for n in [*others, empty]:
+        kube.create_namespace(n, {MODE_LABEL: "policy"})
+    w = layout_writer(kube, ns)
     policy = install_policy(kube, f"bench-vl-{sfx}", ns, work)
-    bname = f"bench-vl-{sfx}"
+    wh, port, _, bundle = lib.start_webhook("webhook-vl", work / "logs", work / "certs")
+    hook = f"fencedlease-bench-{ns}"
+    lib.register_webhook(kube, hook, port, bundle, ns, namespace_labels={MODE_LABEL: "webhook"})
     res: dict = {"per_namespace": per, "namespaces": per, "big_namespace_leases": per * per,
                  "updates": args.updates, "settle_s": args.settle, "idle_s": args.idle}
     try:
-        selector_binding(kube, policy, bname)
         lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "policy", 60,
-                       "the selector binding to judge the lease's objects")
-        step("policy-layout: one lease, one binding for all")
-        res["one"] = footprint(kube, args.settle, args.idle, "1 lease, the selector binding")
-        one = measure(kube, w, args.updates, args.updates_warmup, "1 lease", args.max_seconds)
-        check_server(one, args.updates, "policy", args.expect_fine_buckets)
-        res["one"]["writes"] = strip(one)
+                       "the chart's binding to judge the lease's objects")
+        step("policy-layout: one lease, the chart's binding")
+        res["one"] = footprint(kube, args.settle, args.idle, "1 lease, the chart's binding")
+        res["one"]["writes"] = measured(kube, w, args, "1 lease")
         res["missing_lease_with_leases"] = judged_by(kube, ns, "no-such-lease")
         res["missing_lease_no_leases"] = judged_by(kube, empty, "no-such-lease")
         log(f"  a write naming a missing lease: {res['missing_lease_with_leases']} where the namespace "
             f"has leases, {res['missing_lease_no_leases']} where it has none")
 
-        step(f"policy-layout: {per} x {per} and 1 x {per * per} FencedLeases, no binding")
-        kube.request("DELETE", f"{BINDINGS}/{bname}", ok=(200, 404))
+        step(f"policy-layout: {per} x {per} FencedLeases, no binding")
+        remove_binding(kube, policy)
         lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "none", 60, "the binding to go")
         t0 = time.monotonic()
         lib.create_leases(kube, ns, [f"lease-{i:05d}" for i in range(1, per)])
         for n in others:
             lib.create_leases(kube, n, [f"lease-{i:05d}" for i in range(per)], log_every=10**9)
-        lib.create_leases(kube, big, [f"lease-{i:05d}" for i in range(1, per * per)], log_every=2000)
         res["create_s"] = time.monotonic() - t0
-        res["leases"] = footprint(kube, args.settle, args.idle, f"{2 * per * per} leases, no binding")
+        res["leases"] = footprint(kube, args.settle, args.idle, f"{per * per} leases, no binding")
 
-        step("policy-layout: the selector binding over them all")
+        step(f"policy-layout: the chart's binding over {per * per} leases")
         t0 = time.monotonic()
-        selector_binding(kube, policy, bname)
-        for n, lease in ((ns, f"lease-{per - 1:05d}"), (big, f"lease-{per * per - 1:05d}")):
-            lib.wait_until(lambda: judged_by(kube, n, lease) == "policy", 300,
-                           f"the selector binding to judge {n}'s objects", interval=0.5)
+        restore_binding(work)
+        last = f"lease-{per - 1:05d}"
+        lib.wait_until(lambda: judged_by(kube, ns, last) == "policy", 300,
+                       f"the binding to judge {ns}'s objects", interval=0.5)
         res["judged_s"] = time.monotonic() - t0
-        res["bound"] = footprint(kube, args.settle, args.idle, f"{2 * per * per} leases, the selector binding")
-        spread = measure(kube, w, args.updates, args.updates_warmup, f"{per} leases in the namespace",
-                         args.max_seconds)
-        check_server(spread, args.updates, "policy", args.expect_fine_buckets)
-        res["bound"]["writes_spread"] = strip(spread)
-        one_ns = measure(kube, wbig, args.updates, args.updates_warmup, f"{per * per} leases in the namespace",
-                         args.max_seconds)
-        check_server(one_ns, args.updates, "policy", args.expect_fine_buckets)
-        res["bound"]["writes_one_namespace"] = strip(one_ns)
+        res["bound"] = footprint(kube, args.settle, args.idle, f"{per * per} leases, the chart's binding")
+        # Where the time goes: the API server's CPU profile during these writes.
+        prof = cpu_profile(args.out / f"policy-layout-cpu-{per}-leases.pprof", 10)
+        res["bound"]["writes_spread"] = measured(kube, w, args, f"{per} leases in the namespace")
+        prof.join()
+        res["switch_to_webhook_s"] = switch(kube, ns, "inventory", "webhook")
+        res["bound"]["webhook_spread"] = measured(kube, w, args, f"the webhook, {per * per} leases", "webhook")
+        switch(kube, ns, "inventory", "policy")
+
+        step(f"policy-layout: one more namespace, of {per * per} leases")
+        wbig = layout_writer(kube, big)
+        lib.create_leases(kube, big, [f"lease-{i:05d}" for i in range(1, per * per)], log_every=2000)
+        lib.wait_until(lambda: judged_by(kube, big, f"lease-{per * per - 1:05d}") == "policy", 300,
+                       f"the binding to judge {big}'s objects", interval=0.5)
+        res["bound"]["writes_one_namespace"] = measured(kube, wbig, args, f"{per * per} leases in the namespace")
     finally:
-        kube.request("DELETE", f"{BINDINGS}/{bname}", ok=(200, 404))
+        kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{hook}",
+                     ok=(200, 404))
+        lib.stop_all([wh])
         remove_policy(kube, policy)
-        for n in (ns, big, empty, *others):
-            kube.request("PATCH", f"/api/v1/namespaces/{n}", {"metadata": {"labels": {MODE_LABEL: "none"}}},
-                         "application/merge-patch+json")
+        unfenced(kube, ns, big, empty, *others)
     base = res["one"]["writes"]["server"]["step_validate"]
     res["ratios"] = {
         f"{k}_p99_vs_one": (res["bound"][k]["server"]["step_validate"].get("p99") or 0) / base["p99"]
-        for k in ("writes_spread", "writes_one_namespace") if base.get("p99")}
+        for k in ("writes_spread", "writes_one_namespace", "webhook_spread") if base.get("p99")}
     res["policy_machinery_rss_mib"] = res["bound"]["apiserver_rss_mib"] - res["leases"]["apiserver_rss_mib"]
     log(f"policy-layout: validating step p99 / one lease's: {res['ratios']}; the binding over "
-        f"{2 * per * per} leases added {res['policy_machinery_rss_mib']:.0f} MiB RSS to the API server")
+        f"{per * per} leases added {res['policy_machinery_rss_mib']:.0f} MiB RSS to the API server")
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["apiserver", "scale", "layout"])
+    ap.add_argument("part", choices=["apiserver", "layout"])
     ap.add_argument("--updates", type=int, default=1000, help="measured updates of each kind per measurement")
     ap.add_argument("--updates-warmup", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=1, help="apiserver: rounds of the three modes")
-    ap.add_argument("--n", type=int, default=10000, help="scale: FencedLeases (and bindings)")
     ap.add_argument("--per", type=int, default=100,
                     help="layout: PER namespaces of PER leases, and one namespace of PER*PER")
-    ap.add_argument("--settle", type=float, default=20, help="scale: seconds before each footprint")
-    ap.add_argument("--idle", type=float, default=10, help="scale: seconds of each idle CPU reading")
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--settle", type=float, default=20, help="layout: seconds before each footprint")
+    ap.add_argument("--idle", type=float, default=10, help="layout: seconds of each idle CPU reading")
     ap.add_argument("--max-seconds", type=float, default=None,
-                    help="scale: stop each part of a latency measurement after this many seconds")
+                    help="layout: stop each part of a latency measurement after this many seconds")
     ap.add_argument("--expect-fine-buckets", action="store_true",
                     help="fail if the API server's admission histograms are not bench/build-apiserver.sh's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.updates < 1 or args.n < 2:
-        raise SystemExit("--updates must be at least 1 and --n at least 2")
+    if args.updates < 1 or args.per < 2:
+        raise SystemExit("--updates must be at least 1 and --per at least 2")
     kube = Kube()
     name = f"policy-{args.part}"
     served = kube.get_opt("/apis/admissionregistration.k8s.io/v1") or {}
@@ -676,7 +548,7 @@ def main() -> None:
     lib.install_crd()
     work = lib.WORK / f"policy-{args.part}-{lib.rand_suffix()}"
     started = time.monotonic()
-    parts = {"apiserver": apiserver, "scale": scale, "layout": layout}
+    parts = {"apiserver": apiserver, "layout": layout}
     data = parts[args.part](args, kube, work)
     data.update({"benchmark": name, "wall_s": time.monotonic() - started})
     lib.write_result(args.out, name, data)

@@ -34,12 +34,12 @@
 #                      concurrent writes (as it runs) and sent per write (--no-shared-reads)
 #   policy-apiserver   the same update three ways in one run: no fencing, the webhook, the policy
 #                      (policy mode, issue 18): added latency, client side and the API server's own
-#   policy-scale       policy mode at N FencedLeases and N bindings (10,000; quick: 200): the API
-#                      server's RSS and CPU, and a protected write's latency with N bindings vs 1
-#   policy-layout      issue 37's layout measured before it is built: one binding whose paramRef
+#   policy-layout      policy mode at scale (issue 37): the chart's one binding, whose paramRef
 #                      selects the written object's namespace's FencedLeases; 100 namespaces of
-#                      100 leases and one of 10,000 (quick: 10 x 10 and 1 x 100): the validating
-#                      step against one lease's, the API server's memory for the binding
+#                      100 leases, then one more of 10,000 (quick: 10 x 10 and 1 x 100): the
+#                      validating step against one lease's, the webhook's beside it at 10,000
+#                      leases, the API server's memory for the policy machinery. (policy-scale,
+#                      0.2.0's one binding per lease, is kept in the record; it no longer runs.)
 #   controller-scale   1,000 and 10,000 FencedLeases: RSS, reconcile-all time, idle CPU, expiry notice
 #   footprint          one sidecar's RSS and CPU, leading and following, idle; the API proxy's
 #                      added latency per write (direct vs through the proxy, same run); the
@@ -55,7 +55,7 @@
 # so that the next one starts on an API server without their objects.
 #
 # --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (all 19; in the record's runs of
+#   whatever the numbers. --full: the sizes of the record (all 18; in the record's runs of
 #   2026-12-02 the first 17 took 88 minutes after the builds, settling included, and
 #   webhook-sharing 442 s; BENCHMARKS.md has each one's).
 # --no-record (full mode): keep the run in bench/results/full-<time>/ without folding it into the
@@ -104,7 +104,7 @@ for a in "$@"; do
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
   failover-load-stop apiload webhook-server
-  webhook-apiserver webhook-concurrent webhook-sharing policy-apiserver policy-scale policy-layout controller-scale footprint many-leases)
+  webhook-apiserver webhook-concurrent webhook-sharing policy-apiserver policy-layout controller-scale footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -285,7 +285,6 @@ if [ "$MODE" = full ]; then
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60 --lease-reads 2000)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
-  VAPS=(--n 10000 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   VAPL=(--per 100 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
   FOOT=(--sidecars 3 --lease 15 --warmup 20 --window 120 --writes 2000 --writes-warmup 50)
@@ -302,7 +301,6 @@ else
   WHA=(--updates 50 --updates-warmup 10)
   WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4 --lease-reads 100)
   VAP=(--updates 30 --updates-warmup 5)
-  VAPS=(--n 200 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   VAPL=(--per 10 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
   FOOT=(--sidecars 2 --lease 3 --warmup 2 --window 3 --writes 30 --writes-warmup 5)
@@ -366,7 +364,6 @@ for n in "${NAMES[@]}"; do
     webhook-sharing) # webhook-concurrent's sizes, one replica (a later --replicas wins)
       bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --replicas 1 --reads shared per-request --name "$n" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
-    policy-scale) bench "$n" python3 policy_bench.py scale "${VAPS[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-layout) bench "$n" python3 policy_bench.py layout "${VAPL[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;
     footprint) bench "$n" python3 footprint.py "${FOOT[@]}" "${SIDECAR_BUILD[@]}" --out "$OUT" ;;
