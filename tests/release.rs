@@ -15,13 +15,14 @@ use fencedlease_testkit as common;
 
 use std::time::{Duration, Instant};
 
-use common::fencing::{fenced_merge, held_lease, move_lease, protected_meta, Held};
+use common::fencing::{fenced_merge, held_lease, move_lease, protected_meta};
 use common::helm::Release;
 use common::node::{describe, is_running, name_of, ready_node};
 use common::operator::{wait_certificate_and_ca_bundles, wait_operator_ready};
 use common::release::{
     hack_var, helm_from_registry, oci_chart, push, script, verify, ChartRef, Pushed,
 };
+use common::writers::{keep_writing, long_held_lease, report};
 use common::{client, ensure_crd, eventually, kubectl, repo_root, try_eventually, TestNamespace};
 use fencedlease::api::FencedLease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
@@ -480,83 +481,6 @@ fn run_in(dir: &std::path::Path, program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Creates lease `name` held by `holder` for the longest lease there is: the test's holders do
-/// not renew, and the release's controller revokes a holder whose lease runs out (seen in CI,
-/// where the upgrade took longer than the default lease).
-async fn long_held_lease(client: &Client, ns: &str, name: &str, holder: &str) -> Held {
-    let mut spec = fencedlease::api::FencedLeaseSpec::free();
-    spec.holder_identity = Some(holder.into());
-    spec.lease_duration_seconds = fencedlease::api::MAX_LEASE_DURATION_SECONDS;
-    let l = Api::<FencedLease>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &FencedLease::new(name, spec))
-        .await
-        .unwrap_or_else(|e| panic!("creating lease {ns}/{name}: {e}"));
-    Held {
-        token: l.token().expect("generation"),
-        uid: l.metadata.uid.clone().expect("uid"),
-    }
-}
-
-/// What a writer saw: when it sent each write and whether it was accepted (else the refusal).
-#[derive(Default)]
-struct Outcomes {
-    writes: Vec<(Duration, Result<(), String>)>,
-}
-
-impl Outcomes {
-    fn accepted(&self) -> usize {
-        self.writes.iter().filter(|(_, r)| r.is_ok()).count()
-    }
-
-    /// The stretches between the last accepted write and the next accepted one during which
-    /// every write was refused: (start, length, refusals), start counted from the writers' start.
-    fn refused_stretches(&self) -> Vec<(Duration, Duration, usize)> {
-        let mut out = Vec::new();
-        let mut last_ok: Option<Duration> = None;
-        let mut refused = 0;
-        for (at, r) in &self.writes {
-            match r {
-                Ok(()) => {
-                    if let (Some(start), true) = (last_ok, refused > 0) {
-                        out.push((start, *at - start, refused));
-                    }
-                    last_ok = Some(*at);
-                    refused = 0;
-                }
-                Err(_) => refused += 1,
-            }
-        }
-        out
-    }
-}
-
-/// Sends a fenced merge patch of ConfigMap `name` under `held` every `every` until `stop`
-/// turns true; records each outcome.
-fn keep_writing(
-    cms: Api<ConfigMap>,
-    held: Held,
-    every: Duration,
-    started: Instant,
-    stop: tokio::sync::watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<Outcomes> {
-    tokio::spawn(async move {
-        let mut outcomes = Outcomes::default();
-        let mut tick = tokio::time::interval(every);
-        let mut n = 0u64;
-        while !*stop.borrow() {
-            tick.tick().await;
-            n += 1;
-            let patch = json!({"data": {"writer": held.token.to_string(), "n": n.to_string()}});
-            let r = fenced_merge(&cms, "copy", &held, patch).await;
-            outcomes.writes.push((
-                started.elapsed(),
-                r.map(|_| ()).map_err(|(c, m)| format!("{c}: {m}")),
-            ));
-        }
-        outcomes
-    })
-}
-
 /// Waits until the release's pods are `replicas` per component, all Ready on `image`, and no
 /// other pod is left, not even a terminating one (the rollout of an upgrade or a downgrade is
 /// over, and the old pods' listeners have closed while the writers were still writing).
@@ -725,31 +649,4 @@ async fn upgrade_and_downgrade_under_a_stale_writer_accept_no_stale_write() {
         Some(holder.token.to_string().as_str()),
         "the copy's last writer is not the holder"
     );
-}
-
-/// Prints the measurements (and writes them, with every write's outcome, to
-/// $FL_UPGRADE_SAMPLES when set): how often and how long the holder's writes were refused.
-fn report(holder: &Outcomes, stale: &Outcomes, marks: &[(String, Duration)]) {
-    let stretches = holder.refused_stretches();
-    let longest = stretches.iter().map(|s| s.1).max().unwrap_or_default();
-    println!(
-        "upgrade: holder {} writes, {} accepted; refused stretches {:?} (longest {:?}); stale {} writes, {} accepted; marks {:?}",
-        holder.writes.len(),
-        holder.accepted(),
-        stretches,
-        longest,
-        stale.writes.len(),
-        stale.accepted(),
-        marks
-    );
-    if let Some(path) = std::env::var_os("FL_UPGRADE_SAMPLES") {
-        let sample = |w: &(Duration, Result<(), String>)| json!({"at_ms": w.0.as_secs_f64() * 1e3, "error": w.1.as_ref().err()});
-        let doc = json!({
-            "marks": marks.iter().map(|(m, at)| json!({"mark": m, "at_ms": at.as_secs_f64() * 1e3})).collect::<Vec<_>>(),
-            "holder": holder.writes.iter().map(sample).collect::<Vec<_>>(),
-            "stale": stale.writes.iter().map(sample).collect::<Vec<_>>(),
-        });
-        std::fs::write(&path, serde_json::to_string_pretty(&doc).expect("json"))
-            .expect("writing FL_UPGRADE_SAMPLES");
-    }
 }

@@ -3,6 +3,7 @@
 //! webhook or by the fencing policy.
 
 use std::fmt::Debug;
+use std::time::Duration;
 
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -30,8 +31,22 @@ pub struct Held {
 
 /// Creates lease `name` held by `holder`.
 pub async fn held_lease(client: &Client, ns: &str, name: &str, holder: &str) -> Held {
+    held_lease_for(client, ns, name, holder, None).await
+}
+
+/// Creates lease `name` held by `holder`, for `seconds` (None: the CRD's default).
+pub async fn held_lease_for(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    holder: &str,
+    seconds: Option<i32>,
+) -> Held {
     let mut spec = FencedLeaseSpec::free();
     spec.holder_identity = Some(holder.into());
+    if let Some(s) = seconds {
+        spec.lease_duration_seconds = s;
+    }
     let l = Api::<FencedLease>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &FencedLease::new(name, spec))
         .await
@@ -320,4 +335,49 @@ impl Protected {
         })
         .await;
     }
+}
+
+/// Does `act`, then follows lease `name` on a watch from just before it until its holder
+/// satisfies `until`; returns the holders seen in order (None: free). A handover by release
+/// shows a None before the new holder; a takeover after expiry does not. The 30 s ceiling only
+/// stops a hung test.
+pub async fn holders_until(
+    api: &Api<FencedLease>,
+    name: &str,
+    until: impl Fn(Option<&str>) -> bool,
+    act: impl FnOnce(),
+) -> Vec<Option<String>> {
+    use futures::{StreamExt, TryStreamExt};
+    use kube::api::{WatchEvent, WatchParams};
+    let from = api
+        .get(name)
+        .await
+        .expect("the lease")
+        .metadata
+        .resource_version
+        .expect("a resourceVersion");
+    let wp = WatchParams::default().fields(&format!("metadata.name={name}"));
+    let mut events = api
+        .watch(&wp, &from)
+        .await
+        .expect("watch the lease")
+        .boxed();
+    act();
+    let follow = async {
+        let mut seen = Vec::new();
+        while let Some(ev) = events.try_next().await.expect("the lease's watch") {
+            if let WatchEvent::Modified(l) | WatchEvent::Added(l) = ev {
+                let h = l.holder().map(str::to_string);
+                let done = until(h.as_deref());
+                seen.push(h);
+                if done {
+                    return seen;
+                }
+            }
+        }
+        panic!("the lease's watch ended first: holders seen {seen:?}")
+    };
+    tokio::time::timeout(Duration::from_secs(30), follow)
+        .await
+        .unwrap_or_else(|_| panic!("lease {name} never reached the awaited holder (30 s ceiling)"))
 }

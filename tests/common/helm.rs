@@ -83,6 +83,20 @@ impl Release {
     /// with better messages).
     pub fn install_on_node(ns: &TestNamespace, prefix: &str, extra: &[&str]) -> Release {
         let release = Release::new(ns, prefix);
+        release.run_on_node("install", extra);
+        release
+    }
+
+    /// `helm SUBCOMMAND` (install, upgrade) with the values of [`Release::install_on_node`].
+    pub fn run_on_node(&self, subcommand: &str, extra: &[&str]) -> String {
+        let args = self.on_node_args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.run(subcommand, &args)
+    }
+
+    /// The values that run the release on the node's imported image, its controller watching
+    /// only the release's namespace; then `extra`.
+    pub fn on_node_args(&self, extra: &[&str]) -> Vec<String> {
         let mut args = vec![
             "--set".to_string(),
             format!(
@@ -90,12 +104,10 @@ impl Release {
                 env!("CARGO_PKG_VERSION")
             ),
             "--set".to_string(),
-            format!("controller.watchNamespace={}", ns.name),
+            format!("controller.watchNamespace={}", self.namespace),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        release.run("install", &args);
-        release
+        args
     }
 
     pub fn fullname(&self) -> String {

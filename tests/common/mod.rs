@@ -27,6 +27,7 @@ pub mod samples;
 pub mod sidecars;
 pub mod stories;
 pub mod webhook;
+pub mod writers;
 
 pub const DEFAULT_KUBECONFIG: &str = "/tmp/fencedlease-cluster/kubeconfig";
 
