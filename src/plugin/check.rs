@@ -473,12 +473,17 @@ pub(super) fn fence_finding(probe: &Result<(), kube::Error>, ns: &str) -> Findin
     }
 }
 
-/// Whether a ValidatingAdmissionPolicy of the chart exists (false where the API is absent or
-/// not readable: the webhook finding then says what is missing).
+/// Whether a ValidatingAdmissionPolicy of the chart exists with the chart's binding (a policy
+/// without a binding checks nothing). False where the API is absent or not readable: the
+/// webhook finding then says what is missing.
 async fn policy_present(client: &Client, lp: &ListParams) -> bool {
-    use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
-    let api: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
-    api.list(lp).await.is_ok_and(|l| !l.items.is_empty())
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    policies.list(lp).await.is_ok_and(|l| !l.items.is_empty())
+        && bindings.list(lp).await.is_ok_and(|l| !l.items.is_empty())
 }
 
 /// The serving certificate's PEM, if this user may read the Secret.
