@@ -168,12 +168,9 @@ async fn sigterm_hands_over_by_a_release() {
     // Handed over by a's release, not by waiting out the 30 s lease: the lease's watch sees it
     // free before b holds it.
     let leases: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
-    let holders = holders_until(
-        &leases,
-        "db",
-        |h| h == Some("b"),
-        || a.signal(Signal::SIGTERM),
-    )
+    let holders = holders_until(&leases, "db", |h| h == Some("b"), async {
+        a.signal(Signal::SIGTERM)
+    })
     .await;
     assert!(
         holders.contains(&None),

@@ -135,12 +135,9 @@ async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_toke
     // Step down by request: the leader releases and stays out; the other takes over through
     // the release, not by waiting out the lease: a watch of the lease sees it free before the
     // other holds it. Then the other leads with a strictly larger token.
-    let holders = holders_until(
-        &api,
-        "db",
-        |h| h == Some(other.identity),
-        || leader.handle.request_release(),
-    )
+    let holders = holders_until(&api, "db", |h| h == Some(other.identity), async {
+        leader.handle.request_release()
+    })
     .await;
     assert!(
         holders.contains(&None),

@@ -12,6 +12,7 @@ use fencedlease_testkit as common;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::fencing::holders_until;
 use common::procs::{campaign, controller, now_ns, scratch_dir, Proc};
 use common::{client, ensure_crd, eventually, k8s_events, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
@@ -150,24 +151,17 @@ impl World {
         assert!(revoked.is_empty(), "{why}: {revoked:?}");
     }
 
-    /// Waits (at most `within`) until the lease no longer names pod-a; returns it and how long
-    /// that took from `since_ns`.
-    async fn revoked_within(&self, since_ns: i128, within: Duration) -> (FencedLease, f64) {
-        let bound = since_ns + within.as_nanos() as i128;
-        loop {
-            let lease = self.lease().await;
-            let took = (now_ns() - since_ns) as f64 / 1e9;
-            if lease.holder() != Some("pod-a") {
-                assert!(lease.token() > self.held.token(), "{:?}", lease.metadata);
-                return (lease, took);
-            }
-            assert!(
-                now_ns() < bound,
-                "not revoked {took:.2} s after the holder died (lease {LEASE_S} s)\ncontroller:\n{}",
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    /// Waits until the lease no longer names pod-a, with a larger token; returns it. What
+    /// revoked it is the test's to show (the Event naming the cause): a revocation after the
+    /// lease ran out would end here too. The ceiling only stops a hung test.
+    async fn revoked(&self) -> FencedLease {
+        let lease = eventually(Duration::from_secs(60), "pod-a's revocation", || async {
+            let l = self.leases.get("db").await.ok()?;
+            (l.holder() != Some("pod-a")).then_some(l)
+        })
+        .await;
+        assert!(lease.token() > self.held.token(), "{:?}", lease.metadata);
+        lease
     }
 
     /// An Event with `reason`, waited for.
@@ -251,7 +245,7 @@ fn opted_out() -> FencedLeaseSpec {
 }
 
 #[tokio::test]
-async fn a_force_deleted_holder_pod_fails_over_in_well_under_a_second() {
+async fn a_force_deleted_holder_pod_is_revoked_before_its_lease_runs_out() {
     let w = World::new("death-gone", false, FencedLeaseSpec::free()).await;
     w.controller_active().await;
     let b = campaign(&w.dir, &w.ns.name, "db", "pod-b", LEASE_S);
@@ -259,29 +253,26 @@ async fn a_force_deleted_holder_pod_fails_over_in_well_under_a_second() {
         b.events().into_iter().find(|e| e.event == "started")
     })
     .await;
-    // Time to list and watch the lease.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    // The node is gone with the holder: it stops renewing, and its pod is force-deleted.
+    // The node is gone with the holder: it stops renewing, and its pod is force-deleted. The
+    // controller revokes: the lease's watch sees it free before pod-b holds it, and the Event
+    // below names the deletion as the cause (with the death unseen, the lease would be freed
+    // only after its 15 s, for expiry: seen red so, the Event missing).
     w.holder.signal(Signal::SIGSTOP);
     let deleted_ns = now_ns();
-    w.pods
-        .delete("pod-a", &DeleteParams::default().grace_period(0))
-        .await
-        .expect("force-delete the holder's pod");
-    let (_, took) = w.revoked_within(deleted_ns, Duration::from_secs(1)).await;
-    eprintln!("revoked {took:.3} s after the holder's pod was deleted (lease {LEASE_S} s)");
-    // The candidate takes over through its watch, with a larger token.
-    let next = eventually(Duration::from_secs(1), "pod-b to acquire", || async {
-        let l = w.leases.get("db").await.ok()?;
-        (l.holder() == Some("pod-b")).then_some(l)
+    let holders = holders_until(&w.leases, "db", |h| h == Some("pod-b"), async {
+        w.pods
+            .delete("pod-a", &DeleteParams::default().grace_period(0))
+            .await
+            .expect("force-delete the holder's pod");
     })
     .await;
-    let took = (now_ns() - deleted_ns) as f64 / 1e9;
-    eprintln!("pod-b acquired {took:.3} s after the deletion");
     assert!(
-        took < 1.0,
-        "pod-b acquired only {took:.3} s after the deletion"
+        holders.contains(&None),
+        "pod-b took the lease without a revocation before it: holders seen {holders:?}"
     );
+    let took = (now_ns() - deleted_ns) as f64 / 1e9;
+    eprintln!("pod-b acquired {took:.3} s after the deletion (lease {LEASE_S} s)");
+    let next = w.lease().await;
     assert!(next.token() > w.held.token());
     let ev = w.event("HolderPodGone").await;
     let note = ev.note.unwrap_or_default();
@@ -315,13 +306,12 @@ async fn a_campaigning_container_restarted_after_acquiring_is_revoked() {
         .await;
     // The kubelet reports a newer run of the sidecar, begun well after the acquisition.
     sleep_until_ns(acquired + 3 * NS_PER_S).await;
-    let written = now_ns();
     w.pod_status(
         "pod-a",
         container_status(json!({"running": {"startedAt": rfc3339_after(acquired, 3)}})),
     )
     .await;
-    w.revoked_within(written, Duration::from_secs(2)).await;
+    w.revoked().await;
     let ev = w.event("HolderContainerRestarted").await;
     eprintln!("{:?}", ev.note);
     // The status says why.
@@ -340,10 +330,9 @@ async fn a_failed_holder_pod_is_revoked() {
     let w = World::new("death-failed", false, FencedLeaseSpec::free()).await;
     w.controller_active().await;
     w.holder.signal(Signal::SIGSTOP);
-    let written = now_ns();
     w.pod_status("pod-a", json!({"phase": "Failed", "reason": "Evicted"}))
         .await;
-    w.revoked_within(written, Duration::from_secs(2)).await;
+    w.revoked().await;
     let ev = w.event("HolderPodFinished").await;
     let note = ev.note.unwrap_or_default();
     assert!(note.contains("Failed"), "{note}");
@@ -373,7 +362,24 @@ async fn a_pod_being_deleted_gracefully_is_left_to_its_sidecar() {
     // The sidecar releases by itself, and that is the only Event.
     w.holder.signal(Signal::SIGTERM);
     w.event("Released").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The controller has reconciled the released lease (its status is of the lease's current
+    // generation) and calls it free, not revoked; a revocation it had decided on for the
+    // pre-release state would have come before.
+    eventually(
+        Duration::from_secs(30),
+        "the controller's status of the released lease",
+        || async {
+            let l = w.leases.get("db").await.ok()?;
+            let g = l.metadata.generation;
+            let s = l.status?;
+            (s.observed_generation == g).then_some(())?;
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Released" && c.status == "True" && c.observed_generation == g)
+                .map(|c| assert_eq!(c.reason, "Free", "released, not revoked: {c:?}"))
+        },
+    )
+    .await;
     let evs = k8s_events(&w.client, &w.ns.name).await;
     let revoked: Vec<_> = evs.iter().filter(|e| is_revocation(e)).collect();
     assert!(revoked.is_empty(), "{revoked:?}");
@@ -405,12 +411,11 @@ async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
     let w = World::new("death-zombie", false, FencedLeaseSpec::free()).await;
     w.controller_active().await;
     // The pod is force-deleted, but its process still reaches the API server and campaigns.
-    let deleted_ns = now_ns();
     w.pods
         .delete("pod-a", &DeleteParams::default().grace_period(0))
         .await
         .expect("force-delete the holder's pod");
-    w.revoked_within(deleted_ns, Duration::from_secs(1)).await;
+    w.revoked().await;
     w.event("HolderPodGone").await;
     // It acquires again; from then on it is waited out like any holder, not revoked again at
     // once (which would trade writes with it as fast as both can go).

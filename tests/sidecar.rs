@@ -271,12 +271,9 @@ async fn sidecars_agree_on_the_leader_over_http_sse_and_the_token_file_and_hand_
     // it free before another sidecar holds it.
     let leases = Api::<fencedlease::api::FencedLease>::namespaced(client.clone(), &ns.name);
     let old = st["identity"].as_str().expect("identity").to_string();
-    let holders = holders_until(
-        &leases,
-        "db",
-        |h| h.is_some_and(|h| h != old),
-        || cars[i].proc.signal(Signal::SIGTERM),
-    )
+    let holders = holders_until(&leases, "db", |h| h.is_some_and(|h| h != old), async {
+        cars[i].proc.signal(Signal::SIGTERM)
+    })
     .await;
     assert!(
         holders.contains(&None),

@@ -345,7 +345,7 @@ pub async fn holders_until(
     api: &Api<FencedLease>,
     name: &str,
     until: impl Fn(Option<&str>) -> bool,
-    act: impl FnOnce(),
+    act: impl std::future::Future<Output = ()>,
 ) -> Vec<Option<String>> {
     use futures::{StreamExt, TryStreamExt};
     use kube::api::{WatchEvent, WatchParams};
@@ -362,7 +362,7 @@ pub async fn holders_until(
         .await
         .expect("watch the lease")
         .boxed();
-    act();
+    act.await;
     let follow = async {
         let mut seen = Vec::new();
         while let Some(ev) = events.try_next().await.expect("the lease's watch") {
