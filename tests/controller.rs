@@ -89,8 +89,11 @@ async fn the_leader_label_is_corrected_when_pods_change() {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
     let _ctl = controller(&dir, &ns.name, "controller-0");
     // pod-c holds the lease before any pod of that name exists.
-    let _c = campaign(&dir, &ns.name, "db", "pod-c", 30);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let c = campaign(&dir, &ns.name, "db", "pod-c", 30);
+    eventually(Duration::from_secs(15), "pod-c to lead", || async {
+        c.events().into_iter().find(|e| e.event == "leading")
+    })
+    .await;
     pods.create(&PostParams::default(), &stored_pod("pod-c"))
         .await
         .expect("pod");
@@ -126,8 +129,23 @@ async fn the_leader_label_is_corrected_when_pods_change() {
     pods.create(&PostParams::default(), &other)
         .await
         .expect("pod");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let mut l = leaders(&pods.list(&Default::default()).await.expect("list").items);
+    // Then another stray label on a pod of "db": once the controller has taken it off, it has
+    // seen pod-q (its watch of pods delivers them in order) and left pod-q's label alone.
+    let mut barrier = stored_pod("pod-y");
+    barrier.metadata.labels =
+        Some([("fencedlease.io/role".to_string(), "leader".to_string())].into());
+    pods.create(&PostParams::default(), &barrier)
+        .await
+        .expect("pod");
+    let mut l = eventually(
+        Duration::from_secs(10),
+        "pod-y's stray label removed",
+        || async {
+            let l = leaders(&pods.list(&Default::default()).await.ok()?.items);
+            (!l.iter().any(|p| p == "pod-y")).then_some(l)
+        },
+    )
+    .await;
     l.sort();
     assert_eq!(l, ["pod-c", "pod-q"]);
 }
