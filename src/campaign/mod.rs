@@ -485,6 +485,7 @@ impl Campaign {
         self.log.write(
             "stopped",
             serde_json::json!({"token": token, "reason": reason.as_str(),
+                "kill_at_ns": unix_ns(wall_of(kill_at)),
                 "token_moved": reason == StopReason::TokenMoved,
                 "command_exited": reason == StopReason::CommandExited}),
         );
