@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{campaign, now_ns, scratch_dir, Proc};
+use common::procs::{campaign, scratch_dir, Proc};
 use common::{client, ensure_crd, eventually, kubeconfig_path, TestNamespace};
 use fencedlease::api::FencedLease;
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
@@ -23,9 +23,6 @@ use serde_json::json;
 const SA: &str = "controller-without-pod-patch";
 /// The lease duration the holder campaigns with.
 const LEASE_S: i128 = 2;
-/// How long after the lease ran out (by the controller's observation of the last renewal)
-/// the revocation must be visible: a request and a watch event, on a shared test machine.
-const REVOKE_SLACK_NS: i128 = 1_500_000_000;
 const NS_PER_S: i128 = 1_000_000_000;
 
 /// Everything the controller needs in its namespace, except `patch` on pods.
@@ -154,7 +151,7 @@ async fn an_expired_lease_is_revoked_although_the_leader_label_cannot_be_moved()
         .create(&PostParams::default(), &pod)
         .await
         .expect("create the holder's pod");
-    let ctl = controller_as(&dir, &ns.name, &kubeconfig);
+    let _ctl = controller_as(&dir, &ns.name, &kubeconfig);
     let a = campaign(&dir, &ns.name, "db", "pod-a", LEASE_S as u32);
     // The controller is active, tries to label pod-a, fails, and says so.
     let failed = eventually(
@@ -180,37 +177,20 @@ async fn an_expired_lease_is_revoked_although_the_leader_label_cannot_be_moved()
     })
     .await;
     a.signal(Signal::SIGSTOP);
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let api: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
     let held = api.get("db").await.expect("get the lease");
     assert_eq!(held.holder(), Some("pod-a"));
-    let renewed_ns = held
-        .status
-        .as_ref()
-        .and_then(|s| s.renew_time.as_ref())
-        .expect("renewTime")
-        .0
-        .as_nanosecond();
-    // Revoked within its bound, although every label patch fails.
-    let bound_ns = renewed_ns + LEASE_S * NS_PER_S + REVOKE_SLACK_NS;
-    let revoked = loop {
-        let lease = api.get("db").await.expect("get the lease");
-        if lease.holder().is_none() {
-            break lease;
-        }
-        assert!(
-            now_ns() < bound_ns,
-            "not revoked {:.2} s after the frozen holder's last renewal (lease {LEASE_S} s)\n\
-             controller:\n{}",
-            (now_ns() - renewed_ns) as f64 / 1e9,
-            ctl.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    eprintln!(
-        "revoked (seen) {:.2} s after the frozen holder's last renewal (lease {LEASE_S} s)",
-        (now_ns() - renewed_ns) as f64 / 1e9
-    );
+    // Revoked once its lease runs out, although every label patch fails (how soon after the
+    // lease is the controller benchmark's business; the ceiling only stops a hung test).
+    let revoked = eventually(
+        Duration::from_secs(60),
+        "the frozen holder's revocation",
+        || async {
+            let lease = api.get("db").await.ok()?;
+            lease.holder().is_none().then_some(lease)
+        },
+    )
+    .await;
     assert!(revoked.token() > held.token());
     // The status says so too, and so does an Event.
     let expired = eventually(Duration::from_secs(5), "Expired=True", || async {
