@@ -27,7 +27,7 @@ def op(worker, item, token, t_send, verdict, obj="history-0", rv=None, **kw):
 POINTS = [point(0, 1, "a"), point(100, 2, "b"), point(200, 3, "a")]
 
 
-def run_check(ops, objects, points=POINTS, min_stale=1, events=()):
+def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None):
     with tempfile.TemporaryDirectory() as out:
         with open(os.path.join(out, "ops-x.jsonl"), "w") as f:
             for o in ops:
@@ -36,7 +36,8 @@ def run_check(ops, objects, points=POINTS, min_stale=1, events=()):
             for e in events:
                 f.write(json.dumps(e) + "\n")
         loaded, failed_reads = check.load_ops(out)
-        s = check.check({"out": out}, loaded, objects, points, min_stale, failed_reads)
+        run = {"out": out, **({"faults": faults} if faults is not None else {})}
+        s = check.check(run, loaded, objects, points, min_stale, failed_reads)
     return s, {k for k, v in s["checks"].items() if v != "pass"}
 
 
@@ -150,6 +151,51 @@ class CheckerTables(unittest.TestCase):
         with tempfile.TemporaryDirectory() as out:
             s = check.check({"out": out}, ops, {"blind": {"data": {"last": "x"}}}, POINTS, 0, 0, {"b1"})
         self.assertEqual(s["stale_accepted"], 1)
+
+    def test_a_token_handed_to_two_leaders_fails(self):
+        # a leads with token 1 and stops; later b claims the same token: never two at once,
+        # but one token for two owners.
+        events = [{"event": "leading", "identity": "a", "lease_uid": UID, "token": 1, "t_ns": 0, "valid_until_ns": 10**9},
+                  {"event": "stopped", "identity": "a", "t_ns": 10**9},
+                  {"event": "leading", "identity": "b", "lease_uid": UID, "token": 1, "t_ns": 5 * 10**9,
+                   "valid_until_ns": 6 * 10**9}]
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, events=events)
+        self.assertEqual(failed, {"no token handed to two leaders"})
+        self.assertIn("['a', 'b']", s["checks"]["no token handed to two leaders"])
+
+    def test_a_generation_naming_two_holders_fails(self):
+        points = POINTS + [point(110, 2, "c")]
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, points=points, min_stale=0)
+        self.assertEqual(failed, {"the lease's history is complete and increasing"})
+        self.assertIn("named two holders", s["checks"]["the lease's history is complete and increasing"])
+
+    def test_a_generation_going_down_in_server_order_fails(self):
+        # Server order (resourceVersion) has generation 2 stored before generation 1.
+        points = [point(10, 2, "b", rv=5), point(20, 1, "a", rv=6)]
+        ops = [op("b", "i1", 2, 50, "accepted", rv=10)]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, points=points, min_stale=0)
+        self.assertEqual(failed, {"the lease's history is complete and increasing"})
+        self.assertIn("went down", s["checks"]["the lease's history is complete and increasing"])
+
+    def test_a_counter_that_disagrees_with_the_items_fails(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        objects = {"history-0": {"data": {"items": "i1", "counter": "2"}}}
+        s, failed = run_check(ops, objects, min_stale=0)
+        self.assertEqual(failed, {"no acknowledged write lost"})
+        self.assertIn("counter 2 != 1 items", s["checks"]["no acknowledged write lost"])
+
+    def test_a_fault_that_failed_to_inject_fails(self):
+        ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        _, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, faults={"kill": 2, "partition_failed": 1})
+        self.assertEqual(failed, {"every fault injected"})
+        _, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, faults={"kill": 2})
+        self.assertEqual(failed, set())
+
+    def test_no_accepted_write_fails(self):
+        _, failed = run_check([op("a", "i1", 1, 50, "refused")], {"history-0": shard()}, min_stale=0)
+        self.assertEqual(failed, {"some writes accepted"})
 
     def test_conflicts_and_errors_are_not_judged_by_the_fence(self):
         ops = [op("a", "i2", 1, 150, "conflict"), op("a", "i3", 1, 150, "error")]
