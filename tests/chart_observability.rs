@@ -124,29 +124,44 @@ fn a_changed_threshold_reaches_the_rules() {
     assert!(!ok && err.contains("could not find template"), "{err}");
 }
 
-/// Every `fencedlease_*` metric name the code registers (string literals in src/).
-fn exported_metrics() -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    let mut stack = vec![common::repo_root().join("src")];
-    while let Some(p) = stack.pop() {
-        if p.is_dir() {
-            stack.extend(
-                std::fs::read_dir(&p)
-                    .expect("src")
-                    .map(|e| e.expect("entry").path()),
-            );
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            let text = std::fs::read_to_string(&p).expect("source");
-            for lit in text.split('"').skip(1).step_by(2) {
-                if lit.starts_with("fencedlease_")
-                    && lit.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
-                {
-                    names.insert(lit.to_string());
-                }
-            }
-        }
-    }
-    names
+/// A /metrics text, once `get` answers 200 with one.
+async fn metrics_text(what: &str, get: impl Fn() -> (u16, String)) -> String {
+    common::eventually(std::time::Duration::from_secs(30), what, || async {
+        let (code, body) = get();
+        (code == 200 && body.contains("# TYPE")).then_some(body)
+    })
+    .await
+}
+
+/// Every `fencedlease_*` metric family the binary serves: a webhook, a controller and a
+/// sidecar started against the test cluster, their /metrics read once each answers. Families
+/// are named by their `# TYPE` lines (the binary starts every bounded label's series at 0).
+async fn served_metrics() -> BTreeSet<String> {
+    use common::sidecars::{curl, sidecar};
+    let client = common::client().await;
+    common::ensure_crd();
+    let ns = common::TestNamespace::new(&client, "metrics-names").await;
+    let dir = common::procs::scratch_dir("metrics-names");
+    let webhook = common::webhook::Webhook::start(&client, &dir, &ns.name).await;
+    let addr = format!("127.0.0.1:{}", common::webhook::free_port());
+    let _controller =
+        common::procs::controller_with(&dir, &ns.name, "controller-0", &["--metrics-addr", &addr]);
+    let car = sidecar(&dir, &ns.name, "db", "pod-a", &[]);
+    let mut text = webhook.metrics();
+    text += &metrics_text("the controller's /metrics", || {
+        curl(&[&format!("http://{addr}/metrics")])
+    })
+    .await;
+    text += &metrics_text("the sidecar's /metrics", || {
+        car.curl(&[&format!("http://127.0.0.1:{}/metrics", car.port)])
+    })
+    .await;
+    text.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("fencedlease_"))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The `fencedlease_*` series named in a PromQL text, without the suffixes exposition adds.
@@ -166,9 +181,9 @@ fn series_named(text: &str) -> BTreeSet<String> {
     out
 }
 
-#[test]
-fn the_rules_and_the_dashboard_name_only_series_the_binary_exports() {
-    let exported = exported_metrics();
+#[tokio::test]
+async fn the_rules_and_the_dashboard_name_only_series_the_binary_exports() {
+    let exported = served_metrics().await;
     assert!(
         exported.contains("fencedlease_webhook_admissions"),
         "{exported:?}"

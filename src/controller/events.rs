@@ -26,6 +26,15 @@ pub(super) enum LeaseEvent {
 }
 
 impl LeaseEvent {
+    /// Every event: the controller counts each from 0 at its start.
+    pub(super) const ALL: [LeaseEvent; 5] = [
+        LeaseEvent::Acquired,
+        LeaseEvent::HandedOver,
+        LeaseEvent::Released,
+        LeaseEvent::Revoked,
+        LeaseEvent::RevokedHolderDead,
+    ];
+
     pub(super) fn label(self) -> &'static str {
         match self {
             LeaseEvent::Acquired => "acquired",

@@ -54,6 +54,15 @@ impl ControllerMetrics {
             "1 while this replica is the active controller",
             m.leading.clone(),
         );
+        // Every event, and a successful reconcile, counted from 0: their series exist from the
+        // start. (The error classes appear with their first error.)
+        for e in super::events::LeaseEvent::ALL {
+            drop(
+                m.lease_events
+                    .get_or_create(&EventLabel { event: e.label() }),
+            );
+        }
+        drop(m.reconciles.get_or_create(&ResultLabel { result: "ok" }));
         m
     }
 }

@@ -52,6 +52,27 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome: the webhook counts each from 0 at its start, so that every `result`
+    /// series exists (and `rate()` works) before its first admission.
+    pub const ALL: [Outcome; 16] = [
+        Outcome::Allowed,
+        Outcome::Passed,
+        Outcome::Exempt,
+        Outcome::Warned,
+        Outcome::Unconfirmed,
+        Outcome::Invalid,
+        Outcome::Denied(Denial::Missing),
+        Outcome::Denied(Denial::Malformed),
+        Outcome::Denied(Denial::NotPresented),
+        Outcome::Denied(Denial::UnannouncedDelete),
+        Outcome::Denied(Denial::NoLease),
+        Outcome::Denied(Denial::Free),
+        Outcome::Denied(Denial::Stale),
+        Outcome::Denied(Denial::Future),
+        Outcome::Denied(Denial::Scale),
+        Outcome::Denied(Denial::Binding),
+    ];
+
     /// The `result` label of `fencedlease_webhook_admissions_total` and of the logs.
     pub fn label(self) -> &'static str {
         match self {
@@ -106,32 +127,7 @@ mod tests {
 
     #[test]
     fn every_outcome_has_its_own_label() {
-        use Denial::*;
-        let all = [
-            Outcome::Allowed,
-            Outcome::Passed,
-            Outcome::Exempt,
-            Outcome::Warned,
-            Outcome::Unconfirmed,
-            Outcome::Invalid,
-        ]
-        .into_iter()
-        .chain(
-            [
-                Missing,
-                Malformed,
-                NotPresented,
-                UnannouncedDelete,
-                NoLease,
-                Free,
-                Stale,
-                Future,
-                Scale,
-                Binding,
-            ]
-            .map(Outcome::Denied),
-        );
-        let labels: Vec<&str> = all.map(Outcome::label).collect();
+        let labels: Vec<&str> = Outcome::ALL.into_iter().map(Outcome::label).collect();
         let unique: std::collections::BTreeSet<&str> = labels.iter().copied().collect();
         assert_eq!(unique.len(), labels.len(), "{labels:?}");
         assert!(labels

@@ -248,6 +248,9 @@ struct ObjectLabel {
 
 type ReadSeconds = Family<ObjectLabel, Histogram, fn() -> Histogram>;
 
+/// The values of the `object` label of `fencedlease_webhook_fresh_read_seconds`.
+const READ_OBJECTS: [&str; 3] = ["lease", "namespace", "scaled"];
+
 fn read_histogram() -> Histogram {
     let (start, factor, n) = FRESH_READ_BUCKETS;
     Histogram::new(exponential_buckets(start, factor, n))
@@ -310,6 +313,17 @@ impl WebhookMetrics {
             "Writes that the lease cache would have allowed and a fresh read refused: the cache lagged behind the lease",
             m.cache_lag_caught.clone(),
         );
+        // Every series of a bounded label, from 0 at the start (rate() and absent() then work
+        // before the first admission).
+        for o in Outcome::ALL {
+            drop(
+                m.admissions
+                    .get_or_create(&ResultLabel { result: o.label() }),
+            );
+        }
+        for object in READ_OBJECTS {
+            m.read_seconds(object);
+        }
         m
     }
 
