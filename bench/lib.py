@@ -380,6 +380,24 @@ def write_result(outdir: Path, name: str, data: dict[str, Any]) -> Path:
     return p
 
 
+def keep_samples(outdir: Path, relname: str, ms: dict[str, list[float]], extra: dict | None = None) -> str:
+    """Writes per-request samples (ms by kind, rounded to 1 us) and `extra` (histograms read
+    before and after) to outdir/relname, gzipped JSON, for report.py to recompute every
+    percentile and interval from; returns relname, for the result to name it."""
+    import gzip
+    path = outdir / relname
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"ms": {k: [round(x, 3) for x in v] for k, v in ms.items()}, **(extra or {})}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+    return relname
+
+
+def hist_json(h: dict) -> dict[str, float]:
+    """A histogram {le: count} with string keys, as JSON keeps them."""
+    return {str(k): v for k, v in h.items()}
+
+
 def rand_suffix() -> str:
     return f"{random.getrandbits(32):08x}"
 

@@ -254,6 +254,9 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
                    "added_ms": {k: sp[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
                    "refused_added_ms": {k: sr[k] - sl[k] for k in ("p50", "p90", "p99", "mean")},
                    "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after)}
+            run["raw_samples"] = lib.keep_samples(
+                args.out, f"webhook-apiserver-raw/run-{len(runs) + 1}.json.gz", lat,
+                {"apiserver_webhook_call": {"before": lib.hist_json(api_before), "after": lib.hist_json(api_after)}})
             for le, n in api_after.items():
                 pooled[le] = pooled.get(le, 0) + n - api_before.get(le, 0)
             runs.append(run)

@@ -30,7 +30,6 @@ that what sharing saves or costs is measured in the same conditions; each run sa
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import socket
@@ -170,22 +169,6 @@ def stats999(ms: list[float]) -> dict:
     return s
 
 
-def keep_samples(args, res: dict, ms: dict[str, list[float]], api_before: dict, api_after: dict) -> None:
-    """Writes the run's every write's milliseconds by kind, and the API server's histogram of its
-    webhook calls before and after, to a gzipped JSON beside NAME.json (report.py recomputes
-    the percentiles and intervals from it); `res["raw_samples"]` names the file."""
-    name = (f"{args.name}-raw/r{res['replicas']}-w{res['writers']}-{res['rate'] or 'closed'}-"
-            f"{res['reads']}.json.gz")
-    path = args.out / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"ms": {k: [round(x, 3) for x in v] for k, v in ms.items()},
-           "apiserver_webhook_call": {"before": {str(k): v for k, v in api_before.items()},
-                                      "after": {str(k): v for k, v in api_after.items()}}}
-    with gzip.open(path, "wt") as f:
-        json.dump(doc, f)
-    res["raw_samples"] = name
-
-
 def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: dict,
                 work: Path, mports: list[int], rate: float | None, reads: str) -> dict:
     """One run of the writers: back to back (rate None) or paced at `rate` writes/s in all."""
@@ -228,7 +211,9 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
            "first_unexpected": {k: raw["kinds"][k]["first_unexpected"] for k in KINDS},
            "apiserver_webhook_call_ms": webhook_call_ms(api_before, api_after),
            "fresh_read_ms": read_times, "reviews_per_replica": spread, "replica_counters": per_replica}
-    keep_samples(args, res, ms, api_before, api_after)
+    res["raw_samples"] = lib.keep_samples(
+        args.out, f"{args.name}-raw/r{len(mports)}-w{writers}-{rate or 'closed'}-{reads}.json.gz", ms,
+        {"apiserver_webhook_call": {"before": lib.hist_json(api_before), "after": lib.hist_json(api_after)}})
     log(f"  {len(mports)} replica(s), {writers} writers, {f'paced at {rate:g}/s' if rate else 'back to back'}, "
         f"reads {reads}: "
         f"{res['writes_per_s']:.0f} writes/s; "
