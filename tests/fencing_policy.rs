@@ -268,6 +268,72 @@ async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
     );
 }
 
+/// The active controller keeps an eye on the chart's binding: changed so that it no longer
+/// enforces (validationActions Audit), it says so in its gauge (0) and a warning; restored, the
+/// gauge is 1 again. Only metrics and logs: the controller changes no binding.
+#[tokio::test]
+async fn policy_mode_the_controller_reports_a_changed_binding() {
+    let mut p = Protected::with_policy("vapwatch").await;
+    let ns = p.ns.name.clone();
+    let name = p.policy().name.clone();
+    let port = common::webhook::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = common::procs::scratch_dir("vapwatch-controller");
+    p.policy_mut().start_controller_with(
+        &dir,
+        &ns,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--fencing-policy-check-seconds",
+            "1",
+        ],
+    );
+    let intact = |want: f64| {
+        let addr = addr.clone();
+        async move {
+            eventually(
+                Duration::from_secs(30),
+                &format!("fencedlease_controller_fencing_binding_intact {want}"),
+                || async {
+                    let (code, body) = common::sidecars::curl(&[&format!("http://{addr}/metrics")]);
+                    (code == 200
+                        && common::metric_value(
+                            &body,
+                            "fencedlease_controller_fencing_binding_intact",
+                        ) == want)
+                        .then_some(())
+                },
+            )
+            .await
+        }
+    };
+    intact(1.0).await;
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
+    let audit = json!({"spec": {"validationActions": ["Audit"]}});
+    bindings
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&audit))
+        .await
+        .expect("change the binding");
+    intact(0.0).await;
+    let log = p
+        .policy()
+        .controller
+        .as_ref()
+        .expect("controller")
+        .log_tail();
+    assert!(
+        log.contains("without Deny") && log.contains("helm upgrade"),
+        "{log}"
+    );
+    let deny = json!({"spec": {"validationActions": ["Deny"]}});
+    bindings
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&deny))
+        .await
+        .expect("restore the binding");
+    intact(1.0).await;
+}
+
 /// The controller refuses to run policy mode without its policy or its binding (either alone
 /// checks nothing), and says what to do.
 #[tokio::test]

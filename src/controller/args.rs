@@ -58,6 +58,11 @@ pub struct ControllerArgs {
     /// bindings of releases up to 0.2.0.
     #[arg(long, value_name = "POLICY")]
     pub fencing_policy: Option<String>,
+    /// Policy mode: how often, in seconds, the active controller checks that the chart's binding
+    /// is still as the chart renders it (`fencedlease_controller_fencing_binding_intact`).
+    #[arg(long, default_value_t = 30, requires = "fencing_policy",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub fencing_policy_check_seconds: u64,
     /// A namespace the fencing leaves out (the chart passes fencing.excludeNamespaces and, by
     /// default, its own): FencedLeases there get the condition Fenced=False and a Warning
     /// Event, since their tokens guard nothing. Repeat for each; none given: no Fenced

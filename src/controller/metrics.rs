@@ -24,6 +24,8 @@ pub(crate) struct ControllerMetrics {
     pub reconcile_seconds: Histogram,
     pub lease_events: Family<EventLabel, Counter>,
     pub leading: Gauge,
+    /// Policy mode only: 1 while the chart's fencing binding is there as the chart renders it.
+    pub fencing_binding_intact: Option<Gauge>,
 }
 
 impl ControllerMetrics {
@@ -33,6 +35,7 @@ impl ControllerMetrics {
             reconcile_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             lease_events: Family::default(),
             leading: Gauge::default(),
+            fencing_binding_intact: None,
         };
         registry.register(
             "fencedlease_controller_reconciles",
@@ -64,5 +67,16 @@ impl ControllerMetrics {
         }
         drop(m.reconciles.get_or_create(&ResultLabel { result: "ok" }));
         m
+    }
+
+    /// Policy mode: registers `fencedlease_controller_fencing_binding_intact`.
+    pub(crate) fn register_policy(&mut self, registry: &mut Registry) {
+        let g = Gauge::default();
+        registry.register(
+            "fencedlease_controller_fencing_binding_intact",
+            "Policy mode, on the active controller: 1 while the chart's fencing binding exists as the chart renders it, 0 when it is missing or changed (then no lease is fenced in policy mode; helm upgrade restores it)",
+            g.clone(),
+        );
+        self.fencing_binding_intact = Some(g);
     }
 }

@@ -25,6 +25,7 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
+use prometheus_client::metrics::gauge::Gauge;
 use tracing::{info, warn};
 
 use crate::runtime::admin::RenewalGauge;
@@ -98,14 +99,33 @@ async fn adopt_election_lease(
     }
 }
 
-/// Policy mode, once per term: removes the per-lease bindings of releases up to 0.2.0 (see
-/// [`crate::controller::policy::remove_legacy_bindings`]), retrying until it has.
-async fn remove_legacy_bindings(client: Client, policy: String) {
+/// Policy mode, while this replica is active: removes the per-lease bindings of releases up to
+/// 0.2.0 (see [`crate::controller::policy::remove_legacy_bindings`]), retrying until it has;
+/// then every `period` checks that the chart's binding is still there as the chart renders it,
+/// in `intact` and, when it is not, in a warning saying what is wrong.
+async fn keep_policy_mode(client: Client, policy: String, intact: Option<Gauge>, period: Duration) {
     let mut wait = Duration::from_secs(1);
     while let Err(e) = crate::controller::policy::remove_legacy_bindings(&client, &policy).await {
         warn!(error = %short(&e), "removing the per-lease fencing bindings of an earlier release failed; retrying");
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_secs(60));
+    }
+    loop {
+        match crate::controller::policy::binding_problem_now(&client, &policy).await {
+            Ok(None) => {
+                if let Some(g) = &intact {
+                    g.set(1);
+                }
+            }
+            Ok(Some(problem)) => {
+                if let Some(g) = &intact {
+                    g.set(0);
+                }
+                warn!(binding = %policy, %problem, "the fencing binding is not as the chart renders it: no lease is fenced in policy mode until it is; run helm upgrade to restore it");
+            }
+            Err(e) => warn!(error = %short(&e), "could not read the fencing binding; retrying"),
+        }
+        tokio::time::sleep(period).await;
     }
 }
 
@@ -170,7 +190,10 @@ fn start_admin(
     args: &ControllerArgs,
     ready: &ReadyFlag,
 ) -> (ControllerMetrics, RenewalGauge) {
-    let metrics = ControllerMetrics::register(rt.registry());
+    let mut metrics = ControllerMetrics::register(rt.registry());
+    if args.fencing_policy.is_some() {
+        metrics.register_policy(rt.registry());
+    }
     let renewals = RenewalGauge::register(
         rt.registry(),
         "fencedlease_controller_last_renewal_timestamp_seconds",

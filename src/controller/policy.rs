@@ -48,6 +48,62 @@ pub(super) fn is_legacy_binding(policy: &str, b: &ValidatingAdmissionPolicyBindi
     labelled && binds && named
 }
 
+/// What is wrong with the chart's binding of `policy` (named as the policy), if anything: it
+/// must exist, bind that policy with Deny, and take every FencedLease of the written object's
+/// namespace as a parameter (no paramRef name or namespace, an empty selector, Allow when there
+/// is none), without narrowing what the policy matches. Any change can leave leases unfenced.
+pub(super) fn binding_problem(
+    policy: &str,
+    b: Option<&ValidatingAdmissionPolicyBinding>,
+) -> Option<String> {
+    let Some(b) = b else {
+        return Some("it does not exist".into());
+    };
+    let Some(spec) = b.spec.as_ref() else {
+        return Some("it has no spec".into());
+    };
+    if spec.policy_name.as_deref() != Some(policy) {
+        return Some(format!("it binds {:?}, not {policy:?}", spec.policy_name));
+    }
+    if !spec
+        .validation_actions
+        .iter()
+        .flatten()
+        .any(|a| a == "Deny")
+    {
+        return Some(format!(
+            "its validationActions are {:?}, without Deny: refusals are not enforced",
+            spec.validation_actions
+        ));
+    }
+    if spec.match_resources.is_some() {
+        return Some("it has matchResources, which narrow what the policy judges".into());
+    }
+    let Some(p) = spec.param_ref.as_ref() else {
+        return Some("it has no paramRef".into());
+    };
+    let empty = |s: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector| {
+        s.match_labels.as_ref().is_none_or(|m| m.is_empty())
+            && s.match_expressions.as_ref().is_none_or(|e| e.is_empty())
+    };
+    if p.name.is_some() || p.namespace.is_some() || !p.selector.as_ref().is_some_and(empty) {
+        return Some(
+            "its paramRef does not select every FencedLease of the written object's namespace"
+                .into(),
+        );
+    }
+    None
+}
+
+/// [`binding_problem`] of the binding as the API server has it now.
+pub(crate) async fn binding_problem_now(
+    client: &Client,
+    policy: &str,
+) -> Result<Option<String>, kube::Error> {
+    let api: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    Ok(binding_problem(policy, api.get_opt(policy).await?.as_ref()))
+}
+
 /// The policy name must be a DNS label (what the chart renders): at most 63 lowercase letters,
 /// digits and '-', starting and ending with a letter or digit.
 pub(super) fn check_policy_name(name: &str) -> Result<(), String> {
@@ -115,9 +171,11 @@ pub(super) async fn require_policy(client: &Client, policy: &str) -> anyhow::Res
 }
 
 /// Deletes the per-lease bindings of `policy` that releases up to 0.2.0 kept (see
-/// [`is_legacy_binding`]). They judged what the chart's binding judges, by the same policy, so
-/// removing them changes no decision; it only frees the API server of one object per lease.
-/// Returns how many it deleted.
+/// [`is_legacy_binding`]). For a lease that exists they judged what the chart's binding judges,
+/// by the same policy. One difference goes with them: a write naming a lease that does not
+/// exist (or not yet, in the API server's view) but still has its 0.2.0 binding was refused
+/// (its parameter missing, Deny); with the chart's binding alone it is not checked (the book,
+/// policy-mode.md). Returns how many it deleted.
 pub(crate) async fn remove_legacy_bindings(
     client: &Client,
     policy: &str,
@@ -185,6 +243,41 @@ mod tests {
             "fl-fencing",
             &legacy(theirs, "fl-fencing", named)
         ));
+    }
+
+    #[test]
+    fn the_chart_binding_is_intact_only_as_the_chart_renders_it() {
+        let chart = || {
+            serde_json::json!({
+                "metadata": {"name": "p"},
+                "spec": {"policyName": "p", "validationActions": ["Deny"],
+                         "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"}},
+            })
+        };
+        assert_eq!(binding_problem("p", Some(&binding(chart()))), None);
+        assert!(binding_problem("p", None).is_some_and(|m| m.contains("does not exist")));
+        let changed = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = chart();
+            f(&mut v);
+            binding_problem("p", Some(&binding(v))).expect("a problem")
+        };
+        let audit = changed(&|v| v["spec"]["validationActions"] = serde_json::json!(["Audit"]));
+        assert!(audit.contains("without Deny"), "{audit}");
+        let narrowed = changed(&|v| {
+            v["spec"]["matchResources"] =
+                serde_json::json!({"namespaceSelector": {"matchLabels": {"a": "b"}}})
+        });
+        assert!(narrowed.contains("matchResources"), "{narrowed}");
+        for param in [
+            serde_json::json!({"selector": {"matchLabels": {"a": "b"}}, "parameterNotFoundAction": "Allow"}),
+            serde_json::json!({"name": "inventory", "parameterNotFoundAction": "Deny"}),
+            serde_json::json!({"selector": {}, "namespace": "shop", "parameterNotFoundAction": "Allow"}),
+        ] {
+            let m = changed(&|v| v["spec"]["paramRef"] = param.clone());
+            assert!(m.contains("paramRef"), "{param}: {m}");
+        }
+        let other = changed(&|v| v["spec"]["policyName"] = serde_json::json!("q"));
+        assert!(other.contains("binds"), "{other}");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use tracing::{debug, info};
 use super::args::ControllerArgs;
 use super::reconcile::{error_policy, reconcile, Context};
 use super::streams::{lease_stream, pod_triggers};
-use super::{adopt_election_lease, cert_config, keep_certificates, remove_legacy_bindings};
+use super::{adopt_election_lease, cert_config, keep_certificates, keep_policy_mode};
 use crate::api::FencedLease;
 use crate::controller::pods::PodIndex;
 use crate::lease::elector::LeaderState;
@@ -96,10 +96,11 @@ impl Term<'_> {
         // A fresh cache and pod index for every term: what an earlier term saw may be old.
         *ctx.pods.lock().unwrap_or_else(|p| p.into_inner()) = PodIndex::default();
         let (reader, writer) = reflector::store::<FencedLease>();
-        let legacy_task = args
-            .fencing_policy
-            .clone()
-            .map(|p| tokio::spawn(remove_legacy_bindings(client.clone(), p)));
+        let policy_task = args.fencing_policy.clone().map(|p| {
+            let intact = ctx.metrics.fencing_binding_intact.clone();
+            let period = std::time::Duration::from_secs(args.fencing_policy_check_seconds);
+            tokio::spawn(keep_policy_mode(client.clone(), p, intact, period))
+        });
         let namespace = args.namespace.as_deref();
         let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
             .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
@@ -116,7 +117,7 @@ impl Term<'_> {
         let ended = self.ended(state, controller).await;
         debug!(token = self.token.generation, ?ended, "the term ended");
         ctx.metrics.leading.set(0);
-        for t in [certs_task, legacy_task].into_iter().flatten() {
+        for t in [certs_task, policy_task].into_iter().flatten() {
             t.abort();
         }
         ended

@@ -117,7 +117,14 @@ impl PolicyFence {
 
     /// Starts `fencedlease controller --fencing-policy` for this policy, in namespace `ns`.
     pub fn start_controller(&mut self, dir: &Path, ns: &str) -> &mut Proc {
-        let c = controller_with(dir, ns, "controller", &["--fencing-policy", &self.name]);
+        self.start_controller_with(dir, ns, &[])
+    }
+
+    /// [`PolicyFence::start_controller`] with more arguments.
+    pub fn start_controller_with(&mut self, dir: &Path, ns: &str, extra: &[&str]) -> &mut Proc {
+        let mut args = vec!["--fencing-policy", self.name.as_str()];
+        args.extend_from_slice(extra);
+        let c = controller_with(dir, ns, "controller", &args);
         self.controller.insert(c)
     }
 }
