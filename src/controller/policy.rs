@@ -4,7 +4,8 @@
 //! the binding's parameters are every FencedLease of the written object's namespace, and the
 //! policy judges only the lease the object's label names. So the controller is not on the
 //! fencing path: it checks at start that the policy and its binding exist, and while active
-//! removes the one-binding-per-lease layout of releases up to 0.2.0.
+//! removes the one-binding-per-lease layout of releases up to 0.2.0 and reports whether the
+//! binding is still as the chart renders it ([`binding_problem`]).
 
 use anyhow::{bail, Context as _};
 use k8s_openapi::api::admissionregistration::v1::{
