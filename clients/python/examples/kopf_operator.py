@@ -25,6 +25,7 @@ import os
 import signal
 import ssl
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -116,7 +117,9 @@ async def copy(body, name, **_):
     if stalled:
         os.remove(STALL)
         emit("stalling")
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # To this thread itself: a stop sent to the process may be taken by another thread
+        # first, and this one would run on, its write sent before the pause.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     code, message = await asyncio.to_thread(apply_copy, f"{name}-copy", value)
     if stalled:
         emit("late-answer", status=code, message=message)

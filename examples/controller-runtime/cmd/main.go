@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -97,6 +98,15 @@ func run(args []string) error {
 	return err
 }
 
+// stopSelf stops the whole process with SIGSTOP sent to the calling thread itself. A stop sent
+// to the process (kill(getpid())) may be taken by another thread first, and until the group
+// stop reaches this one it runs on: the held write could go out before the pause.
+func stopSelf() {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	_ = syscall.Tgkill(os.Getpid(), syscall.Gettid(), syscall.SIGSTOP)
+}
+
 // stallRT is the test's pause: below the stamping, so a write it holds is already stamped.
 type stallRT struct {
 	base     http.RoundTripper
@@ -110,7 +120,7 @@ func (s *stallRT) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	_ = os.Remove(s.file)
 	events.Emit(s.id, "stalling", nil)
-	_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+	stopSelf()
 	// Resumed: the stamped write goes out now, as one already on the wire would.
 	resp, err := s.base.RoundTrip(req)
 	status := 0
