@@ -5,7 +5,7 @@ use fencedlease_testkit as common;
 
 use std::time::Duration;
 
-use common::procs::{campaign, controller, controller_with, scratch_dir};
+use common::procs::{campaign, controller, controller_with, following, scratch_dir};
 use common::{client, ensure_crd, eventually, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
@@ -57,8 +57,8 @@ async fn the_leader_label_follows_the_lease_from_pod_to_pod() {
     })
     .await;
     assert_eq!(labelled, ["pod-a"]);
-    let _b = campaign(&dir, &ns.name, "db", "pod-b", 2);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b = campaign(&dir, &ns.name, "db", "pod-b", 2);
+    following(&b, "pod-a").await;
     a.signal(Signal::SIGKILL);
     // Never two labelled pods while it moves, and it ends on pod-b.
     eventually(
@@ -182,8 +182,15 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
         "--webhook-configurations",
         config_name.as_str(),
     ];
-    let _c0 = controller_with(&dir, &ns.name, "controller-0", &flags);
-    let _c1 = controller_with(&dir, &ns.name, "controller-1", &flags);
+    let free = common::webhook::free_ports(2);
+    let ports = [free[0], free[1]];
+    let replica = |i: usize| {
+        let addr = format!("127.0.0.1:{}", ports[i]);
+        let mut args = flags.to_vec();
+        args.extend_from_slice(&["--metrics-addr", &addr]);
+        controller_with(&dir, &ns.name, &format!("controller-{i}"), &args)
+    };
+    let reps = [replica(0), replica(1)];
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let secret = eventually(
         Duration::from_secs(20),
@@ -213,7 +220,8 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
         },
     )
     .await;
-    // Two replicas, one writer: nothing changes any more.
+    // Two replicas, one writer: the standby wrote nothing, and when it takes over, its first
+    // check finds the certificate and the caBundle current and writes nothing either.
     let rv = secret.metadata.resource_version.clone();
     let crv = configs
         .get(&config_name)
@@ -221,7 +229,28 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
         .expect("get")
         .metadata
         .resource_version;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let leading = |port: u16| {
+        http_get(port, "/metrics")
+            .1
+            .lines()
+            .any(|l| l == "fencedlease_controller_leading 1")
+    };
+    let active = eventually(Duration::from_secs(20), "one active replica", || async {
+        (0..2).find(|i| leading(ports[*i]))
+    })
+    .await;
+    let standby = &reps[1 - active];
+    reps[active].signal(Signal::SIGTERM);
+    eventually(
+        Duration::from_secs(30),
+        "the new active replica to find the certificate current",
+        || async {
+            let log = std::fs::read_to_string(&standby.log).ok()?;
+            log.contains("the webhook certificate and caBundles are current")
+                .then_some(())
+        },
+    )
+    .await;
     assert_eq!(
         secrets
             .get("fencedlease-webhook-tls")
@@ -229,7 +258,8 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
             .expect("get")
             .metadata
             .resource_version,
-        rv
+        rv,
+        "the certificate Secret was written again"
     );
     assert_eq!(
         configs
@@ -238,7 +268,8 @@ async fn the_active_controller_alone_issues_the_webhook_certificate_and_ca_bundl
             .expect("get")
             .metadata
             .resource_version,
-        crv
+        crv,
+        "the caBundle was written again"
     );
     let _ = configs.delete(&config_name, &Default::default()).await;
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::fencing::holders_until;
 use common::procs::{
-    assert_no_overlap, campaign, claims, controller, now_ns, scratch_dir, Ev, Proc,
+    assert_no_overlap, campaign, claims, controller, following, now_ns, scratch_dir, Ev, Proc,
 };
 use common::{client, ensure_crd, eventually, TestNamespace};
 use fencedlease::api::FencedLease;
@@ -171,7 +171,7 @@ async fn sigterm_hands_over_by_a_release() {
     let mut a = campaign(&dir, &ns.name, "db", "a", 30);
     let (_, first) = leader(&[&a], Duration::from_secs(30)).await;
     let b = campaign(&dir, &ns.name, "db", "b", 30);
-    tokio::time::sleep(Duration::from_millis(1000)).await; // b is watching
+    following(&b, "a").await; // b watches the lease
     let t0 = now_ns();
     // Handed over by a's release, not by waiting out the 30 s lease: the lease's watch sees it
     // free before b holds it.
@@ -206,7 +206,8 @@ async fn preferred_holder_gets_the_lease_by_handover() {
     let (_, first) = leader(&[&a], Duration::from_secs(30)).await;
     let b = campaign(&dir, &ns.name, "db", "b", 30);
     let c = campaign(&dir, &ns.name, "db", "c", 30);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    following(&b, "a").await;
+    following(&c, "a").await;
     let api: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
     let t0 = now_ns();
     api.patch(

@@ -6,7 +6,7 @@ use fencedlease_testkit as common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::procs::{campaign, scratch_dir};
+use common::procs::{campaign, following, scratch_dir};
 use common::{client, ensure_crd, eventually, kubeconfig_path, kubectl, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -144,13 +144,13 @@ async fn handover_moves_the_lease_to_the_named_candidate() {
     ensure_crd();
     let ns = TestNamespace::new(&client, "plugin-handover").await;
     let dir = scratch_dir("plugin-handover");
-    let _a = campaign(&dir, &ns.name, "db", "a", 30);
+    let a = campaign(&dir, &ns.name, "db", "a", 30);
     let (first, token) = holder(&ns.name, "db").await;
-    let _b = campaign(&dir, &ns.name, "db", "b", 30);
-    let other = if first == "a" { "b" } else { "a" };
+    let b = campaign(&dir, &ns.name, "db", "b", 30);
+    let (other, follower) = if first == "a" { ("b", &b) } else { ("a", &a) };
     let r = plugin(&ns.name, &["handover", "db"]);
     assert!(!r.ok && r.stderr.contains("--to"), "{}", r.stderr);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    following(follower, &first).await;
     let r = plugin(&ns.name, &["handover", "db", "--to", other]);
     assert!(r.ok, "{}", r.stderr);
     let (second, new_token) = eventually(Duration::from_secs(15), "the handover", || async {

@@ -295,6 +295,8 @@ struct Campaign {
     log: EventLog,
     running: Option<Running>,
     seen: Seen,
+    /// The holder and token of the last `following` event, so each change is logged once.
+    followed: Option<(Option<String>, Option<i64>)>,
 }
 
 /// How the loop ended.
@@ -341,6 +343,7 @@ pub(crate) async fn run(args: CampaignArgs) -> anyhow::Result<std::process::Exit
             valid_until: None,
             since: clock::now(),
         },
+        followed: None,
     };
     let ended = campaign
         .lead(handle.state.clone(), rt.shutdown().clone())
@@ -422,6 +425,7 @@ impl Campaign {
     /// command, else when to look again (None: only on news).
     async fn act(&mut self, state: &LeaderState) -> anyhow::Result<Option<Option<Instant>>> {
         let now = clock::now();
+        self.note_following(state);
         let renewed = self.seen.update(state, now);
         let running = self.running.as_ref().map(|r| &r.token);
         match plan(now, state, self.seen.since, running, self.grace) {
@@ -450,6 +454,22 @@ impl Campaign {
                 self.stop(kill_at, reason).await;
                 Ok(None)
             }
+        }
+    }
+
+    /// Logs `following` when this candidate first sees, or sees a change of, who holds the
+    /// lease while it does not: the proof, for a test or an audit, that it watches the lease.
+    fn note_following(&mut self, state: &LeaderState) {
+        let LeaderState::Following { holder, token } = state else {
+            return;
+        };
+        let seen = Some((holder.clone(), *token));
+        if self.followed != seen {
+            self.log.write(
+                "following",
+                serde_json::json!({"holder": holder, "token": token}),
+            );
+            self.followed = seen;
         }
     }
 

@@ -50,11 +50,22 @@ fn cert_config(args: &ControllerArgs) -> Option<crate::controller::certs::CertCo
     })
 }
 
-/// Keeps the webhook certificate and caBundles current while this replica is active.
+/// Keeps the webhook certificate and caBundles current while this replica is active. The
+/// first check that finds nothing to write says so at info, the later ones at debug.
 async fn keep_certificates(client: Client, cfg: crate::controller::certs::CertConfig) {
+    let mut said_current = false;
     loop {
         let wait = match crate::controller::certs::reconcile(&client, &cfg).await {
-            Ok(_) => Duration::from_secs(60),
+            Ok(false) if !said_current => {
+                info!(secret = %cfg.secret, "the webhook certificate and caBundles are current: nothing written");
+                said_current = true;
+                Duration::from_secs(60)
+            }
+            Ok(false) => {
+                tracing::debug!(secret = %cfg.secret, "the webhook certificate and caBundles are current");
+                Duration::from_secs(60)
+            }
+            Ok(true) => Duration::from_secs(60),
             Err(e) => {
                 warn!(error = %e, kind = e.metric_label(), "keeping the webhook certificate failed; retrying");
                 Duration::from_secs(2)

@@ -16,6 +16,9 @@ pub struct Ev {
     pub token: Option<i64>,
     pub lease_uid: Option<String>,
     pub valid_until_ns: Option<i128>,
+    /// The holder a `following` event names (None: nobody holds the lease).
+    #[serde(default)]
+    pub holder: Option<String>,
 }
 
 pub struct Proc {
@@ -61,6 +64,23 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits until campaign `p` has seen `holder` hold the lease while it follows (its `following`
+/// event): it watches the lease. The ceiling only stops a hung test.
+pub async fn following(p: &Proc, holder: &str) {
+    let what = format!(
+        "{} to see {holder} hold the lease (log: {})",
+        p.name,
+        p.log.display()
+    );
+    super::eventually(Duration::from_secs(60), &what, || async {
+        p.events()
+            .iter()
+            .any(|e| e.event == "following" && e.holder.as_deref() == Some(holder))
+            .then_some(())
+    })
+    .await;
 }
 
 pub fn read_events(path: &Path) -> Vec<Ev> {
