@@ -500,6 +500,12 @@ impl Elector {
             return Some(r);
         }
         if !eligible {
+            if lease.holder().is_none() {
+                info!(
+                    lease = %self.cfg.lease,
+                    "the lease is free, and this participant is not eligible (say, its app is unhealthy): not acquiring it"
+                );
+            }
             return None;
         }
         let timing = self.timing(&lease);
