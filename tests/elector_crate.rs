@@ -82,16 +82,32 @@ async fn sole_leader(ps: &[&Participant]) -> (usize, FencingToken) {
     .await
 }
 
-/// For `d`, samples every 10 ms that no two participants lead at once.
-async fn never_two_leaders(ps: &[&Participant], d: Duration) {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
+/// Samples every 10 ms that no two participants lead at once, until `leader` has renewed `n`
+/// times (its validity moved on); the ceiling only stops a hung test.
+async fn never_two_leaders(ps: &[&Participant], leader: &Participant, n: usize) {
+    let valid_until = || match &*leader.handle.state.borrow() {
+        LeaderState::Leading { valid_until, .. } => Some(*valid_until),
+        _ => None,
+    };
+    let (mut last, mut renewals) = (valid_until(), 0);
+    let ceiling = Instant::now() + Duration::from_secs(60);
+    while renewals < n {
         let leading: Vec<&str> = ps
             .iter()
             .filter(|p| p.token().is_some())
             .map(|p| p.identity)
             .collect();
         assert!(leading.len() <= 1, "two leaders at once: {leading:?}");
+        let now = valid_until();
+        if now.is_some() && now != last {
+            renewals += 1;
+        }
+        last = now;
+        assert!(
+            Instant::now() < ceiling,
+            "{} renewed only {renewals} times",
+            leader.identity
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -106,9 +122,9 @@ async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_toke
 
     let (i, first) = sole_leader(&[&a, &b]).await;
     let (leader, other) = if i == 0 { (a, b) } else { (b, a) };
-    // The other follows the leader and sees its token; over several renewals (every 2/3 s),
-    // there is never a second leader.
-    never_two_leaders(&[&leader, &other], Duration::from_millis(1500)).await;
+    // The other follows the leader and sees its token; over two renewals there is never a
+    // second leader.
+    never_two_leaders(&[&leader, &other], &leader, 2).await;
     eventually(
         Duration::from_secs(5),
         "the other to follow the leader",
@@ -153,7 +169,7 @@ async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_toke
     );
     assert_eq!(second.lease_uid, first.lease_uid);
     assert!(leader.token().is_none(), "the one that stepped down leads");
-    never_two_leaders(&[&leader, &other], Duration::from_millis(500)).await;
+    never_two_leaders(&[&leader, &other], &other, 1).await;
 
     // Step down by shutting down: the elector releases on its way out, and the first leader
     // (out of the running for one lease duration after its release) leads again with a

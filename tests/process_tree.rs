@@ -36,6 +36,16 @@ sleep 1000 & echo $! >> "$0"
 wait"#;
 const ESCAPING_PIDS: usize = 4;
 
+/// Both scripts start three processes that end up running `sleep`.
+const SLEEPERS: usize = 3;
+
+/// A process's command name (`/proc/PID/comm`).
+fn comm(pid: i32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim().to_string())
+}
+
 /// A campaign running `sh -c SCRIPT PIDFILE`.
 struct TreeCampaign {
     proc: Proc,
@@ -108,8 +118,15 @@ impl TreeCampaign {
             },
         )
         .await;
-        // A process has written its pid; give the last to start a moment to exec.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // A process writes its pid before it execs: wait until the sleepers run `sleep`, their
+        // last exec (after `setsid` for those that escape).
+        eventually(Duration::from_secs(10), "the sleepers to exec", || async {
+            let sleeping = pids
+                .iter()
+                .filter(|p| comm(**p).as_deref() == Some("sleep"));
+            (sleeping.count() == SLEEPERS).then_some(())
+        })
+        .await;
         pids
     }
 }
