@@ -618,11 +618,18 @@ async fn an_idle_keep_alive_connection_outlives_the_header_timeout() {
     };
     let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut send = h1(&srv).await;
-    for n in [10, 20] {
+    assert_eq!(post_h1(&mut send, review(10)).await, "read 10");
+    // The clock: a second connection whose headers stall, opened after the first went idle.
+    // When the header timeout closes it, the first has been idle longer than that timeout.
+    for (n, want) in [(20, 1.0), (30, 2.0)] {
+        let mut clock = stalled_h1(&srv, "127.0.0.1", UNFINISHED_HEADERS).await;
+        assert!(
+            closed_by(&mut clock, Instant::now() + Duration::from_secs(30)).await,
+            "unfinished headers outlived the header timeout"
+        );
+        assert_eq!(srv.closed("header_timeout"), want, "only the clocks");
         assert_eq!(post_h1(&mut send, review(n)).await, format!("read {n}"));
-        tokio::time::sleep(Duration::from_millis(1000)).await; // idle, past the header timeout
     }
-    assert_eq!(srv.closed("header_timeout"), 0.0);
     srv.stop().await;
 }
 
@@ -639,25 +646,25 @@ async fn a_silent_http1_connection_waits_as_an_idle_one_not_as_a_slow_request() 
     };
     let mut srv = TestServer::start(limits, Duration::ZERO).await;
     let mut silent = srv.tls_from("127.0.0.1", b"http/1.1").await;
-    let t0 = Instant::now();
-    // The API server keeps a connection it dialled and did not need idle in its pool: past
-    // the header timeout it is still open, and closed at the idle timeout.
+    // The API server keeps a connection it dialled and did not need idle in its pool: it is
+    // closed as idle (at the idle timeout), not as a request whose headers are late. The
+    // ceilings only stop a hung test; the reason the server gives is the proof.
     assert!(
-        !closed_by(&mut silent, t0 + Duration::from_millis(1000)).await,
-        "a new HTTP/1 connection was closed before its first byte, at the header timeout"
-    );
-    assert!(
-        closed_by(&mut silent, t0 + Duration::from_millis(3000)).await,
+        closed_by(&mut silent, Instant::now() + Duration::from_secs(30)).await,
         "a silent HTTP/1 connection outlived the idle timeout"
     );
     assert_eq!(srv.closed("idle"), 1.0);
     assert_eq!(srv.closed("header_timeout"), 0.0);
     // Once a request begins, its headers are due within the header timeout.
     let mut slow = stalled_h1(&srv, "127.0.0.1", UNFINISHED_HEADERS).await;
-    let t1 = Instant::now();
     assert!(
-        closed_by(&mut slow, t1 + Duration::from_millis(1200)).await,
+        closed_by(&mut slow, Instant::now() + Duration::from_secs(30)).await,
         "unfinished headers outlived the header timeout"
+    );
+    assert_eq!(
+        srv.closed("idle"),
+        1.0,
+        "closed as a slow request, not as idle"
     );
     assert_eq!(srv.closed("header_timeout"), 1.0);
     assert_eq!(srv.closed("grace_expired"), 0.0);
@@ -819,8 +826,8 @@ async fn shutdown_and_old_age_let_requests_in_flight_finish() {
     };
     let mut srv = TestServer::start(limits, Duration::from_millis(500)).await;
     // Too old while its request is judged: told to finish, the answer still arrives.
+    // (Judging takes 500 ms: it passes its 400 ms age while its request waits.)
     let mut old = srv.h2_from::<Full<Bytes>>("127.0.0.1").await;
-    tokio::time::sleep(Duration::from_millis(200)).await; // it ages while its request waits
     assert_eq!(post(&mut old, review(3)).await, "read 3");
     srv.until(
         "fencedlease_webhook_connections_closed_total{reason=\"max_age\"}",

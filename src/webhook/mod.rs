@@ -248,8 +248,12 @@ struct ObjectLabel {
 
 type ReadSeconds = Family<ObjectLabel, Histogram, fn() -> Histogram>;
 
-/// The values of the `object` label of `fencedlease_webhook_fresh_read_seconds`.
-const READ_OBJECTS: [&str; 3] = ["lease", "namespace", "scaled"];
+/// The values of the `object` label of `fencedlease_webhook_fresh_read_seconds`: a lease, a
+/// namespace (its fencing mode), the object behind a /scale write.
+const READ_LEASE: &str = "lease";
+const READ_NAMESPACE: &str = "namespace";
+const READ_SCALED: &str = "scaled";
+const READ_OBJECTS: [&str; 3] = [READ_LEASE, READ_NAMESPACE, READ_SCALED];
 
 fn read_histogram() -> Histogram {
     let (start, factor, n) = FRESH_READ_BUCKETS;
@@ -427,7 +431,7 @@ impl FreshReads {
         let (c, h, t) = (
             client.clone(),
             health.clone(),
-            metrics.read_seconds("lease"),
+            metrics.read_seconds(READ_LEASE),
         );
         let leases = Coalescer::new(
             move |(ns, name): (String, String)| {
@@ -447,7 +451,7 @@ impl FreshReads {
         let (c, h, t) = (
             client.clone(),
             health.clone(),
-            metrics.read_seconds("namespace"),
+            metrics.read_seconds(READ_NAMESPACE),
         );
         let modes = Coalescer::new(
             move |ns: String| {
@@ -573,7 +577,7 @@ impl Shared {
             plural: c.resource.clone(),
         };
         let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &c.namespace, &ar);
-        let seconds = self.metrics.read_seconds("scaled");
+        let seconds = self.metrics.read_seconds(READ_SCALED);
         match timed_read(&self.health, Some(&seconds), api.get_metadata_opt(&c.name)).await {
             Ok(obj) => match obj
                 .as_ref()
@@ -604,7 +608,7 @@ impl Shared {
             .to_string();
         let not_ours =
             |e: &kube::Error| matches!(e, kube::Error::Api(s) if matches!(s.code, 403 | 404));
-        let seconds = self.metrics.read_seconds("scaled");
+        let seconds = self.metrics.read_seconds(READ_SCALED);
         self.metrics.fresh_reads.inc();
         let read = async {
             let served = match kube::discovery::group(&self.client, &group).await {
