@@ -14,7 +14,10 @@ use fencedlease_testkit as common;
 
 use std::time::Duration;
 
-use common::fencing::{assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE};
+use common::fencing::{
+    assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE, TOKEN, UID,
+    WRITE_ID,
+};
 use common::{client_as, eventually, kubectl};
 use fencedlease::api::FencedLease;
 use fencedlease::controller::policy::policy_hash;
@@ -101,6 +104,49 @@ async fn policy_mode_exempt_controllers_pass_while_they_leave_the_fencing_metada
         403,
         &format!("stale token {}", p.a.token),
     );
+}
+
+/// The forged-high lockout, closed (issue 37). A token above the lease's, stored while the
+/// object was unchecked (created without the label), refuses the holder only while the object's
+/// last write is newer than the API server's copy of the lease, when a later holder's write is
+/// what such a token would be. Once the lease is renewed, the copy has every token the lease
+/// handed out before that write: the stored one was never among them and counts for nothing.
+#[tokio::test]
+async fn policy_mode_a_forged_token_above_the_lease_counts_only_until_the_lease_is_renewed() {
+    let p = Protected::with_policy("vapforged").await;
+    let forged = (p.a.token + 1000).to_string();
+    let unchecked = json!({"metadata": {"name": "forged",
+        "annotations": {TOKEN: forged, UID: p.a.uid, WRITE_ID: "forged-write"}}});
+    create::<ConfigMap>(&p.cms, unchecked)
+        .await
+        .expect("an unlabelled object is not checked");
+    let label = json!({"metadata": {"labels": {LEASE: "inv"}}});
+    let r = fenced_merge(&p.cms, "forged", &p.a, label.clone()).await;
+    assert_refused(
+        "the holder, while the object's last write is newer than the lease",
+        r,
+        403,
+        &format!("the object already carries token {forged}"),
+    );
+    // The holder renews (a status write: a new version of the lease, the same token).
+    let leases: Api<FencedLease> = Api::namespaced(p.client.clone(), &p.ns.name);
+    let renewal = json!({"status": {"renewTime": jiff::Timestamp::now().to_string()}});
+    leases
+        .patch_status("inv", &PatchParams::default(), &Patch::Merge(&renewal))
+        .await
+        .expect("renew the lease");
+    // Once the API server's copy has the renewal, the holder's write lands.
+    eventually(
+        Duration::from_secs(30),
+        "the holder's write to land once the lease was renewed",
+        || async {
+            fenced_merge(&p.cms, "forged", &p.a, label.clone())
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
 }
 
 /// Where policy mode differs from the webhook, shown: a write labelled for a lease that does not
