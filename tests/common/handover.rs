@@ -67,11 +67,18 @@ impl LeaseLog {
         self.seen.lock().expect("lease log").clone()
     }
 
-    /// The [`Handover`] away from `old` since `from`, until now: measured once the new leader
-    /// is seen to lead, after 300 ms more for the watch to deliver the last changes.
-    pub async fn handover(&self, old: &str, from: Instant) -> Handover {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        handover(&self.entries(), old, from, Instant::now())
+    /// The [`Handover`] away from `old` since `from`, until this log has seen `new` hold the
+    /// lease with `token` (the test saw it lead; the watch may deliver it a moment later).
+    pub async fn handover(&self, old: &str, new: &str, token: i64, from: Instant) -> Handover {
+        let what = format!("the lease log to see {new} hold the lease with token {token}");
+        let until = eventually(Duration::from_secs(30), &what, || async {
+            self.entries()
+                .into_iter()
+                .find(|s| s.holder.as_deref() == Some(new) && s.token == token)
+                .map(|s| s.at)
+        })
+        .await;
+        handover(&self.entries(), old, from, until)
     }
 }
 
@@ -93,22 +100,18 @@ pub struct Handover {
 }
 
 impl Handover {
-    /// What a graceful handover must show: `old` released the lease, and nobody held it for
-    /// `bound` or more at a stretch; else what went wrong.
-    pub fn released_within(&self, round: usize, old: &str, bound: Duration) -> Result<(), String> {
-        if !self.released {
-            return Err(format!(
+    /// What a graceful handover must show: `old` released the lease (the first change after
+    /// it held it left the lease free), so nobody waited for it to run out; else what went
+    /// wrong. How long the lease stayed free is the benchmarks' to measure.
+    pub fn released(&self, round: usize, old: &str) -> Result<(), String> {
+        if self.released {
+            Ok(())
+        } else {
+            Err(format!(
                 "round {round}: {old} did not release the lease on SIGTERM: {}",
                 self.history
-            ));
+            ))
         }
-        if self.longest_gap >= bound {
-            return Err(format!(
-                "round {round}: no holder for {:?}: {}",
-                self.longest_gap, self.history
-            ));
-        }
-        Ok(())
     }
 }
 
