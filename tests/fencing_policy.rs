@@ -15,8 +15,7 @@ use fencedlease_testkit as common;
 use std::time::Duration;
 
 use common::fencing::{
-    assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE, TOKEN, UID,
-    WRITE_ID,
+    assert_refused, create, fenced_merge, merge, move_lease, Protected, LEASE, TOKEN, UID, WRITE_ID,
 };
 use common::{client_as, eventually, kubectl};
 use fencedlease::api::FencedLease;

@@ -8,12 +8,12 @@ use fencedlease_testkit as common;
 use std::time::{Duration, Instant};
 
 use common::containerd::{containerd_socket, ctr};
+use common::eventually;
 use common::handover::{ms, summary, LeaseLog};
 use common::node::{
     container_id, describe, has_leader_label, is_ready, is_running, name_of, ready_node,
 };
 use common::operator::{Injected, LEASE};
-use common::eventually;
 use fencedlease::controller::holder;
 use kube::api::DeleteParams;
 
