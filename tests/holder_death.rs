@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::fencing::holders_until;
-use common::procs::{campaign, controller, now_ns, scratch_dir, Proc};
+use common::procs::{campaign, controller_env, now_ns, scratch_dir, Proc};
 use common::{client, ensure_crd, eventually, k8s_events, TestNamespace};
 use fencedlease::api::{FencedLease, FencedLeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -27,8 +27,6 @@ use serde_json::json;
 /// seconds is an early one.
 const LEASE_S: u32 = 15;
 const NS_PER_S: i128 = 1_000_000_000;
-/// How long the tests watch for a revocation that must not come.
-const QUIET: Duration = Duration::from_secs(3);
 /// Finalizer that holds a pod in graceful deletion.
 const HOLD: &str = "fencedlease.io/test-hold";
 
@@ -74,7 +72,16 @@ impl World {
             .create(&PostParams::default(), &FencedLease::new("db", spec))
             .await
             .expect("create the lease");
-        let ctl = controller(&dir, &ns.name, "controller-0");
+        // At debug, the controller says when it judged the holder's pod and waited.
+        let log_level =
+            std::ffi::OsStr::new("info,kube=warn,fencedlease::controller::reconcile=debug");
+        let ctl = controller_env(
+            &dir,
+            &ns.name,
+            "controller-0",
+            &[],
+            &[("RUST_LOG", log_level)],
+        );
         let holder = campaign(&dir, &ns.name, "db", "pod-a", LEASE_S);
         let held = held_by(&leases, &holder).await;
         World {
@@ -133,19 +140,36 @@ impl World {
             .expect("write the pod's status");
     }
 
-    /// Asserts that the holder keeps the lease, unrevoked, for [`QUIET`].
-    async fn assert_not_revoked(&self, why: &str) {
-        let until = tokio::time::Instant::now() + QUIET;
-        while tokio::time::Instant::now() < until {
-            let lease = self.lease().await;
-            assert!(
-                lease.holder() == Some("pod-a") && lease.token() == self.held.token(),
-                "{why}: the lease changed hands early: {:?}\ncontroller:\n{}",
-                lease.spec,
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    /// Waits until the controller has judged pod-a in a state whose description shows each of
+    /// `shows` and found no sign of death (its debug line), then asserts that the lease is still
+    /// pod-a's at the token it acquired, with no revocation Event: the controller saw that state
+    /// and waited. The ceiling only stops a hung test.
+    async fn waited_out(&self, why: &str, shows: &[&str]) {
+        let log = self.dir.join("controller-0.log");
+        let what = format!("the controller to judge pod-a ({why}) and wait: {shows:?}");
+        eventually(Duration::from_secs(30), &what, || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.lines()
+                .any(|l| {
+                    l.contains("the holder gives no sign of death")
+                        && shows.iter().all(|s| l.contains(s))
+                })
+                .then_some(())
+        })
+        .await;
+        self.still_held(why, self.held.token()).await;
+    }
+
+    /// Asserts that pod-a still holds the lease at `token` and that no revocation was recorded.
+    async fn still_held(&self, why: &str, token: Option<i64>) {
+        let lease = self.lease().await;
+        assert!(
+            lease.holder() == Some("pod-a") && lease.token() == token,
+            "{why}: the lease changed hands early: {:?} token {:?}\ncontroller:\n{}",
+            lease.spec,
+            lease.token(),
+            self.log_tail()
+        );
         let events = k8s_events(&self.client, &self.ns.name).await;
         let revoked: Vec<_> = events.iter().filter(|e| is_revocation(e)).collect();
         assert!(revoked.is_empty(), "{why}: {revoked:?}");
@@ -166,7 +190,7 @@ impl World {
 
     /// An Event with `reason`, waited for.
     async fn event(&self, reason: &str) -> Event {
-        eventually(Duration::from_secs(5), reason, || async {
+        eventually(Duration::from_secs(30), reason, || async {
             let evs = k8s_events(&self.client, &self.ns.name).await;
             evs.into_iter()
                 .find(|e| e.reason.as_deref() == Some(reason))
@@ -188,7 +212,7 @@ async fn held_by(leases: &Api<FencedLease>, holder: &Proc) -> FencedLease {
     })
     .await;
     eventually(
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         "the acquisition recorded",
         || async {
             let l = leases.get("db").await.ok()?;
@@ -286,8 +310,32 @@ async fn a_dead_process_in_a_live_pod_waits_out_the_lease() {
     // Killed without a release; its pod stays, with nothing in its status to say so.
     w.holder.signal(Signal::SIGKILL);
     let _ = w.holder.wait_exit(Duration::from_secs(5));
-    w.assert_not_revoked("a pod whose process died unseen")
-        .await;
+    // Nothing about the pod changed: the lease runs out, and the controller revokes it as
+    // expired, not for a death.
+    w.revoked().await;
+    let expired = eventually(
+        Duration::from_secs(30),
+        "the controller's status of the revoked lease",
+        || async {
+            let l = w.leases.get("db").await.ok()?;
+            let g = l.metadata.generation;
+            l.status?
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "Expired" && c.observed_generation == g)
+        },
+    )
+    .await;
+    assert!(
+        expired.status == "True" && expired.reason == "NotRenewed",
+        "revoked as expired: {expired:?}"
+    );
+    let evs = k8s_events(&w.client, &w.ns.name).await;
+    let deaths: Vec<_> = evs
+        .iter()
+        .filter(|e| e.reason.as_deref().is_some_and(|r| r.starts_with("Holder")))
+        .collect();
+    assert!(deaths.is_empty(), "revoked for a death: {deaths:?}");
 }
 
 #[tokio::test]
@@ -302,8 +350,12 @@ async fn a_campaigning_container_restarted_after_acquiring_is_revoked() {
         container_status(json!({"running": {"startedAt": rfc3339_after(acquired, -1)}})),
     )
     .await;
-    w.assert_not_revoked("the container that acquired is running")
-        .await;
+    let started = rfc3339_after(acquired, -1);
+    w.waited_out(
+        "the container that acquired is running",
+        &[&format!("since: {started}")],
+    )
+    .await;
     // The kubelet reports a newer run of the sidecar, begun well after the acquisition.
     sleep_until_ns(acquired + 3 * NS_PER_S).await;
     w.pod_status(
@@ -315,7 +367,7 @@ async fn a_campaigning_container_restarted_after_acquiring_is_revoked() {
     let ev = w.event("HolderContainerRestarted").await;
     eprintln!("{:?}", ev.note);
     // The status says why.
-    let held = eventually(Duration::from_secs(5), "Held=False", || async {
+    let held = eventually(Duration::from_secs(30), "Held=False", || async {
         let s = w.leases.get("db").await.ok()?.status?;
         s.conditions
             .into_iter()
@@ -358,7 +410,11 @@ async fn a_pod_being_deleted_gracefully_is_left_to_its_sidecar() {
     .await;
     let pod = w.pods.get("pod-a").await.expect("the pod is still there");
     assert!(pod.metadata.deletion_timestamp.is_some());
-    w.assert_not_revoked("a pod being deleted gracefully").await;
+    w.waited_out(
+        "a pod being deleted gracefully",
+        &["deleting: true", "Stopped"],
+    )
+    .await;
     // The sidecar releases by itself, and that is the only Event.
     w.holder.signal(Signal::SIGTERM);
     w.event("Released").await;
@@ -403,7 +459,7 @@ async fn an_opted_out_lease_waits_out_a_dead_holder() {
         .delete("pod-a", &DeleteParams::default().grace_period(0))
         .await
         .expect("force-delete the holder's pod");
-    w.assert_not_revoked("a lease that opted out").await;
+    w.waited_out("a lease that opted out", &["Gone"]).await;
 }
 
 #[tokio::test]
@@ -419,24 +475,36 @@ async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
     w.event("HolderPodGone").await;
     // It acquires again; from then on it is waited out like any holder, not revoked again at
     // once (which would trade writes with it as fast as both can go).
-    let again = eventually(Duration::from_secs(5), "pod-a to acquire again", || async {
-        let l = w.leases.get("db").await.ok()?;
-        (l.holder() == Some("pod-a") && l.token() > w.held.token()).then_some(l)
-    })
+    let again = eventually(
+        Duration::from_secs(30),
+        "pod-a to acquire again",
+        || async {
+            let l = w.leases.get("db").await.ok()?;
+            (l.holder() == Some("pod-a") && l.token() > w.held.token()).then_some(l)
+        },
+    )
     .await;
-    let until = tokio::time::Instant::now() + QUIET;
-    while tokio::time::Instant::now() < until {
-        let l = w.lease().await;
-        assert!(
-            l.holder() == Some("pod-a") && l.token() == again.token(),
-            "revoked again: {:?} token {:?} (re-acquired with {:?})\ncontroller:\n{}",
-            l.spec,
-            l.token(),
-            again.token(),
-            w.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // The controller sees it hold again and waits it out, this once.
+    let log = w.dir.join("controller-0.log");
+    eventually(
+        Duration::from_secs(30),
+        "the controller to wait out pod-a's return",
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.contains("revoked for its death less than a lease duration ago")
+                .then_some(())
+        },
+    )
+    .await;
+    let l = w.lease().await;
+    assert!(
+        l.holder() == Some("pod-a") && l.token() == again.token(),
+        "revoked again: {:?} token {:?} (re-acquired with {:?})\ncontroller:\n{}",
+        l.spec,
+        l.token(),
+        again.token(),
+        w.log_tail()
+    );
     let evs = k8s_events(&w.client, &w.ns.name).await;
     let gone = evs
         .iter()

@@ -388,6 +388,7 @@ impl<'a> LeaseReconcile<'a> {
             .as_ref()
             .map(|(h, at)| (h.as_str(), *at));
         if !may_revoke_again(last, holder, self.mono, lease_duration) {
+            debug!(%holder, "revoked for its death less than a lease duration ago: waited out this time");
             return Ok(None);
         }
         let lease_name = self.lease.name_any();
@@ -396,6 +397,7 @@ impl<'a> LeaseReconcile<'a> {
             index.holder_pod(&self.ns, &lease_name, holder)
         };
         if holder_death(self.lease, known).is_none() {
+            debug!(%holder, ?known, "the holder gives no sign of death (or the lease opts out): waited out");
             return Ok(None);
         }
         let pods: Api<Pod> = Api::namespaced(self.ctx.client.clone(), &self.ns);

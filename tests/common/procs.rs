@@ -179,6 +179,17 @@ pub fn controller(dir: &Path, ns: &str, identity: &str) -> Proc {
 
 /// The controller with extra flags.
 pub fn controller_with(dir: &Path, ns: &str, identity: &str, extra: &[&str]) -> Proc {
+    controller_env(dir, ns, identity, extra, &[])
+}
+
+/// The controller with extra flags and environment variables (`RUST_LOG`, say).
+pub fn controller_env(
+    dir: &Path,
+    ns: &str,
+    identity: &str,
+    extra: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Proc {
     let mut args = vec![
         "controller",
         "--namespace",
@@ -192,7 +203,7 @@ pub fn controller_with(dir: &Path, ns: &str, identity: &str, extra: &[&str]) -> 
         args.extend_from_slice(&["--metrics-addr", "127.0.0.1:0"]);
     }
     args.extend_from_slice(extra);
-    spawn_fencedlease(identity, dir, &args)
+    spawn_fencedlease_env(identity, dir, &args, env)
 }
 
 /// A leadership claim as the candidate itself judged it: from its "leading" event until its
