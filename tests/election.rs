@@ -125,7 +125,7 @@ async fn a_paused_holder_is_replaced_and_reports_not_leading_when_it_resumes() {
     held.signal(Signal::SIGCONT);
     // After resuming, its first word is that it stopped leading; it never renews first.
     let after = eventually(
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         "the resumed holder to step down",
         || async {
             let evs: Vec<Ev> = held
@@ -263,7 +263,7 @@ async fn controller_revokes_an_expired_lease_with_no_other_candidate() {
     )
     .await;
     assert!(revoked.token() > Some(first.token.unwrap_or_default()));
-    let expired = eventually(Duration::from_secs(5), "Expired=True", || async {
+    let expired = eventually(Duration::from_secs(30), "Expired=True", || async {
         let st = api.get("db").await.ok()?.status?;
         st.conditions
             .iter()

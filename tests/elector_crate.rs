@@ -126,7 +126,7 @@ async fn two_electors_one_leads_and_each_step_down_hands_over_with_a_larger_toke
     // second leader.
     never_two_leaders(&[&leader, &other], &leader, 2).await;
     eventually(
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         "the other to follow the leader",
         || async {
             let s = other.handle.state.borrow().clone();

@@ -193,7 +193,7 @@ async fn an_expired_lease_is_revoked_although_the_leader_label_cannot_be_moved()
     .await;
     assert!(revoked.token() > held.token());
     // The status says so too, and so does an Event.
-    let expired = eventually(Duration::from_secs(5), "Expired=True", || async {
+    let expired = eventually(Duration::from_secs(30), "Expired=True", || async {
         let status = api.get("db").await.ok()?.status?;
         status
             .conditions
@@ -202,7 +202,7 @@ async fn an_expired_lease_is_revoked_although_the_leader_label_cannot_be_moved()
     })
     .await;
     assert_eq!(expired.reason, "NotRenewed");
-    eventually(Duration::from_secs(5), "a Revoked Event", || async {
+    eventually(Duration::from_secs(30), "a Revoked Event", || async {
         let evs = events_with_reason(&client, &ns.name, "Revoked").await;
         evs.into_iter().next()
     })

@@ -167,7 +167,7 @@ async fn a_restarted_sidecar_shows_no_token_file_until_it_leads_again() {
     .await;
     let token = led["token"].as_i64().expect("token");
     assert!(token > current, "{led}");
-    let file = eventually(Duration::from_secs(5), "pod-a's token file", || async {
+    let file = eventually(Duration::from_secs(30), "pod-a's token file", || async {
         std::fs::read_to_string(token_dir.join("token")).ok()
     })
     .await;

@@ -3,6 +3,7 @@
 
 use fencedlease_testkit as common;
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -530,27 +531,52 @@ async fn certificate_rotation_while_writes_flow_fails_no_admission() {
     )
     .await
     .expect("create");
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicUsize::new(0));
     let writer = {
         let (cms, g, uid) = (cms.clone(), g.clone(), uid.clone());
+        let (stop, written) = (stop.clone(), written.clone());
         tokio::spawn(async move {
             let mut failures = Vec::new();
-            for n in 0..80 {
+            for n in 0.. {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
                 if let Err(e) =
                     fenced_patch(&cms, "c", &g, &uid, serde_json::json!({"n": n.to_string()})).await
                 {
                     failures.push(e);
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                written.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await; // a steady pace
             }
             failures
         })
     };
-    // Rotate twice (same CA, new key and certificate), the way kubelet updates a Secret mount.
+    // Rotate twice (same CA, new key and certificate), the way kubelet updates a Secret mount;
+    // each time, wait for the webhook to say it reloaded, and for writes to go on past it.
+    let reloads = || {
+        std::fs::read_to_string(&wh.proc.log)
+            .unwrap_or_default()
+            .matches("reloaded the serving certificate")
+            .count()
+    };
     let before = std::fs::read(wh.mount.join("tls.crt")).expect("cert");
     for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let (seen, at) = (reloads(), written.load(Ordering::Relaxed));
         issue_certs(&wh.mount, true);
+        eventually(Duration::from_secs(30), "the webhook to reload", || async {
+            (reloads() > seen).then_some(())
+        })
+        .await;
+        eventually(
+            Duration::from_secs(30),
+            "writes through the reload",
+            || async { (written.load(Ordering::Relaxed) >= at + 5).then_some(()) },
+        )
+        .await;
     }
+    stop.store(true, Ordering::Relaxed);
     let after = std::fs::read(wh.mount.join("tls.crt")).expect("cert");
     assert_ne!(before, after, "the certificate was rotated");
     let failures = writer.await.expect("writer");

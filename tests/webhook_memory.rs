@@ -127,8 +127,21 @@ async fn webhook(dir: &Path) -> (Proc, u16) {
         std::net::TcpStream::connect(("127.0.0.1", port)).ok()
     })
     .await;
-    // The start's own allocations (client, lease watch, first probe) settle first.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The start's own allocations (client, lease watch, first probe) come first: it is ready
+    // once its lease cache has synced and the API server answered.
+    let readyz = format!("http://127.0.0.1:{}/readyz", ports[1]);
+    common::eventually(
+        Duration::from_secs(30),
+        "the webhook to be ready",
+        || async {
+            let out = Command::new("curl")
+                .args(["-fsS", "--max-time", "2", &readyz])
+                .output()
+                .ok()?;
+            out.status.success().then_some(())
+        },
+    )
+    .await;
     (proc, port)
 }
 

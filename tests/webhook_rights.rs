@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::helm::{spawn_as, Release};
 use common::procs::{scratch_dir, Proc};
 use common::webhook::{free_ports, issue_certs};
-use common::{client, ensure_crd, kubectl, TestNamespace};
+use common::{client, ensure_crd, eventually, kubectl, TestNamespace};
 use serde_json::{json, Value};
 
 const LEASE: &str = "inventory";
@@ -53,18 +53,6 @@ fn ready(metrics_port: u16) -> bool {
         ])
         .output()
         .is_ok_and(|o| o.status.success())
-}
-
-/// Whether the webhook turns ready within `timeout`.
-async fn turns_ready(metrics_port: u16, timeout: Duration) -> bool {
-    let deadline = std::time::Instant::now() + timeout;
-    while std::time::Instant::now() < deadline {
-        if ready(metrics_port) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    false
 }
 
 /// Posts an AdmissionReview for an update of a ConfigMap fenced by `LEASE` presenting `token`;
@@ -148,11 +136,14 @@ async fn the_webhook_decides_with_its_read_only_rights() {
     // As the chart's webhook ServiceAccount: ready (its cache of every FencedLease synced) ...
     let webhook = format!("system:serviceaccount:{n}:{}", release.webhook());
     let (proc, port, metrics_port) = start_webhook(&webhook, "webhook", &dir);
-    assert!(
-        turns_ready(metrics_port, Duration::from_secs(30)).await,
-        "the webhook, as {webhook}, did not turn ready:\n{}",
-        proc.log_tail()
+    let what = format!(
+        "the webhook, as {webhook}, to turn ready (log: {})",
+        proc.log.display()
     );
+    eventually(Duration::from_secs(60), &what, || async {
+        ready(metrics_port).then_some(())
+    })
+    .await;
     // ... and deciding: the current token passes, a stale one is refused from the cache, a
     // token from the future is refused after a fresh read of the lease (a get).
     let current = review(&dir, port, n, uid, generation);
@@ -179,14 +170,19 @@ async fn the_webhook_decides_with_its_read_only_rights() {
     // The control: an identity bound to nothing cannot even fill the cache.
     let nobody = format!("system:serviceaccount:{n}:bound-to-nothing");
     let (proc, _, metrics_port) = start_webhook(&nobody, "nobody", &dir);
+    // Its list of FencedLeases is refused (the log says so), and then it is not ready.
+    eventually(
+        Duration::from_secs(30),
+        "the unbound webhook to be refused",
+        || async {
+            let log = std::fs::read_to_string(&proc.log).unwrap_or_default();
+            log.to_lowercase().contains("forbidden").then_some(())
+        },
+    )
+    .await;
     assert!(
-        !turns_ready(metrics_port, Duration::from_secs(5)).await,
-        "a webhook acting as {nobody} turned ready: the impersonation did not take"
-    );
-    let log = std::fs::read_to_string(&proc.log).unwrap_or_default();
-    assert!(
-        log.to_lowercase().contains("forbidden"),
-        "expected the unbound webhook to be refused:\n{log}"
+        !ready(metrics_port),
+        "a webhook acting as {nobody} is ready: the impersonation did not take"
     );
     drop(release);
 }
