@@ -54,6 +54,15 @@ def say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def proc_state(pid: int):
+    """The state letter of `pid` in /proc (R, S, T, Z, ...); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def tree_groups(root: int) -> list[int]:
     """The process groups of `root` and of all its descendants, `root`'s first."""
     children: dict[int, list[int]] = {}
@@ -158,15 +167,37 @@ class Run:
 
     def send(self, name, sig):
         """Signals a process as a whole: every process group in its tree (`campaign` runs its
-        command in a session of its own, so the worker's own group alone would miss the app)."""
+        command in a session of its own, so the worker's own group alone would miss the app).
+        Returns how many groups it reached: 0 means the process is gone and the signal hit
+        nothing."""
+        reached = 0
         for pgid in tree_groups(self.procs[name][0].pid):
             try:
                 os.killpg(pgid, sig)
+                reached += 1
             except ProcessLookupError:
                 pass
+        return reached
+
+    def stopped(self, name):
+        """Whether the process `name` is stopped (state T in /proc): a pause that took."""
+        pid = self.procs[name][0].pid
+        for _ in range(100):  # a stop takes effect at the next return to user space
+            if proc_state(pid) in ("T", "t"):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def running(self, name):
+        """Whether the process `name` runs (exists and is neither a zombie nor gone)."""
+        p = self.procs[name][0]
+        return p.poll() is None and proc_state(p.pid) not in (None, "Z", "X")
 
     def restart(self, name, sig=signal.SIGKILL, delay=0.0):
+        """Kills `name` with `sig` and starts it again after `delay`; whether the fault took:
+        it ran before, and the new process still runs a moment after its start."""
         p, argv, env = self.procs[name]
+        was = self.running(name)
         self.send(name, signal.SIGCONT)
         self.send(name, sig)
         try:
@@ -176,6 +207,11 @@ class Run:
             p.wait()
         time.sleep(delay)
         self.start(name, argv, env)
+        time.sleep(0.5)
+        came_back = self.running(name)
+        if not (was and came_back):
+            say(f"restart of {name}: it ran before: {was}; the new process runs: {came_back}")
+        return was and came_back
 
     def app(self, name, token, style, *extra, server=None, kubeconfig=None):
         argv = [sys.executable, os.path.join(HERE, "worker.py"), "--name", name, "--log",
@@ -374,25 +410,35 @@ class Run:
         pod = SIDECAR_POD if h == "w-sidecar" else [h] if h in self.procs else None
         if kind in ("pause_short", "pause_long", "pause_candidate_only", "kill") and not pod:
             return None
+        # Each fault is seen to take effect, or the run records it as failed: a pause stops the
+        # process (state T), a restart brings a new process that runs.
         if kind == "pause_candidate_only":
             # The candidate freezes but its apps do not: they keep writing with a token that
             # goes stale once another candidate takes over.
             pid = self.procs[pod[0]][0].pid
             os.kill(pid, signal.SIGSTOP)
+            took = self.stopped(pod[0])
             time.sleep(r.uniform(2.5, 5.0))
             os.kill(pid, signal.SIGCONT)
+            if not took:
+                return kind + "_failed"
         elif kind in ("pause_short", "pause_long"):
-            for name in pod:
-                self.send(name, signal.SIGSTOP)
+            reached = [self.send(name, signal.SIGSTOP) for name in pod]
+            took = all(reached) and all(self.stopped(name) for name in pod)
             time.sleep(r.uniform(0.3, 1.2) if kind == "pause_short" else r.uniform(2.5, 5.0))
             for name in pod:
                 self.send(name, signal.SIGCONT)
+            if not took:
+                say(f"nemesis: {kind} of {pod} did not stop it")
+                return kind + "_failed"
         elif kind == "kill":
             # Down long enough, at times, for a candidate on a real clock to win the race
             # that the fast-clock one would win.
-            self.restart(pod[0], signal.SIGKILL, delay=r.uniform(0.2, 4.0))
+            if not self.restart(pod[0], signal.SIGKILL, delay=r.uniform(0.2, 4.0)):
+                return kind + "_failed"
         elif kind in ("webhook", "controller"):
-            self.restart(kind, signal.SIGKILL, delay=r.uniform(0.0, 1.5))
+            if not self.restart(kind, signal.SIGKILL, delay=r.uniform(0.0, 1.5)):
+                return kind + "_failed"
         elif kind in ("apiserver", "etcd"):
             comp = "kube-apiserver" if kind == "apiserver" else "etcd"
             done = sh(os.path.join(REPO, "hack", "cluster.sh"), "restart", comp, "hard")
