@@ -96,18 +96,22 @@ impl World {
         }
     }
 
+    /// Waits until a line of the controller's log satisfies `line` (the ceiling only stops a
+    /// hung test).
+    async fn logged(&self, what: &str, line: impl Fn(&str) -> bool) {
+        let log = self.dir.join("controller-0.log");
+        eventually(Duration::from_secs(30), what, || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.lines().any(&line).then_some(())
+        })
+        .await;
+    }
+
     /// Waits until the controller leads its own lease and watches pods.
     async fn controller_active(&self) {
-        let log = self.dir.join("controller-0.log");
-        eventually(
-            Duration::from_secs(30),
-            "the controller to lead",
-            || async {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                text.contains("this replica is the active controller")
-                    .then_some(())
-            },
-        )
+        self.logged("the controller to lead", |l| {
+            l.contains("this replica is the active controller")
+        })
         .await;
         // Its pod index has listed pod-a (only then does it put the leader label on it): a
         // deletion before the list would leave no tombstone, and the lease would be waited out.
@@ -145,16 +149,9 @@ impl World {
     /// pod-a's at the token it acquired, with no revocation Event: the controller saw that state
     /// and waited. The ceiling only stops a hung test.
     async fn waited_out(&self, why: &str, shows: &[&str]) {
-        let log = self.dir.join("controller-0.log");
         let what = format!("the controller to judge pod-a ({why}) and wait: {shows:?}");
-        eventually(Duration::from_secs(30), &what, || async {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            text.lines()
-                .any(|l| {
-                    l.contains("the holder gives no sign of death")
-                        && shows.iter().all(|s| l.contains(s))
-                })
-                .then_some(())
+        self.logged(&what, |l| {
+            l.contains("the holder gives no sign of death") && shows.iter().all(|s| l.contains(s))
         })
         .await;
         self.still_held(why, self.held.token()).await;
@@ -485,16 +482,9 @@ async fn a_process_still_running_under_a_deleted_pods_name_is_revoked_once() {
     )
     .await;
     // The controller sees it hold again and waits it out, this once.
-    let log = w.dir.join("controller-0.log");
-    eventually(
-        Duration::from_secs(30),
-        "the controller to wait out pod-a's return",
-        || async {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            text.contains("revoked for its death less than a lease duration ago")
-                .then_some(())
-        },
-    )
+    w.logged("the controller to wait out pod-a's return", |l| {
+        l.contains("revoked for its death less than a lease duration ago")
+    })
     .await;
     let l = w.lease().await;
     assert!(
