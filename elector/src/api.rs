@@ -87,6 +87,10 @@ pub const RESOURCE_ANNOTATIONS: [(&str, &str, &str); 4] = [
 ];
 /// Label on the ValidatingAdmissionPolicy objects of the policy mode: a hash of what they say.
 pub const POLICY_LABEL: &str = key!("policy");
+/// Namespace annotation, policy mode: the names of the namespace's FencedLeases, each between
+/// slashes (`/a/b/`), kept by the active controller. The chart's index policy refuses a labelled
+/// write whose lease it does not list; only the controller may change it.
+pub const LEASE_INDEX_ANNOTATION: &str = key!("leases");
 /// Annotation on the webhook's certificate Secret: when its serving certificate expires.
 pub const NOT_AFTER_ANNOTATION: &str = key!("not-after");
 /// Annotation on the webhook's certificate Secret: the host names its certificate is for.

@@ -9,6 +9,7 @@ mod events;
 #[cfg(test)]
 mod fixtures;
 pub mod holder;
+mod index;
 mod metrics;
 mod owners;
 pub(crate) mod pods;

@@ -96,13 +96,50 @@ pub(super) fn binding_problem(
     None
 }
 
-/// [`binding_problem`] of the binding as the API server has it now.
+/// The chart's other two policies of policy mode, named after the fencing policy: the lease
+/// index policy (src/controller/index.rs) and the index's guard.
+pub(crate) fn index_policies(policy: &str) -> [String; 2] {
+    [format!("{policy}-index"), format!("{policy}-index-guard")]
+}
+
+/// What is wrong with the chart's binding `name` of the policy of the same name, which takes no
+/// parameter: it must exist, bind that policy with Deny, and not narrow what it matches.
+pub(super) fn plain_binding_problem(
+    name: &str,
+    b: Option<&ValidatingAdmissionPolicyBinding>,
+) -> Option<String> {
+    let Some(spec) = b.and_then(|b| b.spec.as_ref()) else {
+        return Some(format!("binding {name} does not exist"));
+    };
+    let deny = spec
+        .validation_actions
+        .iter()
+        .flatten()
+        .any(|a| a == "Deny");
+    if spec.policy_name.as_deref() != Some(name) || !deny || spec.match_resources.is_some() {
+        return Some(format!(
+            "binding {name} is not as the chart renders it (policy {name}, validationActions Deny, no matchResources)"
+        ));
+    }
+    None
+}
+
+/// [`binding_problem`] of the bindings as the API server has them now: the fencing binding,
+/// then the index policy's and the guard's ([`plain_binding_problem`]).
 pub(crate) async fn binding_problem_now(
     client: &Client,
     policy: &str,
 ) -> Result<Option<String>, kube::Error> {
     let api: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
-    Ok(binding_problem(policy, api.get_opt(policy).await?.as_ref()))
+    if let Some(p) = binding_problem(policy, api.get_opt(policy).await?.as_ref()) {
+        return Ok(Some(p));
+    }
+    for name in index_policies(policy) {
+        if let Some(p) = plain_binding_problem(&name, api.get_opt(&name).await?.as_ref()) {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
 }
 
 /// The policy name must be a DNS label (what the chart renders): at most 63 lowercase letters,
@@ -279,6 +316,35 @@ mod tests {
         }
         let other = changed(&|v| v["spec"]["policyName"] = serde_json::json!("q"));
         assert!(other.contains("binds"), "{other}");
+    }
+
+    #[test]
+    fn the_index_bindings_are_intact_only_as_the_chart_renders_them() {
+        let [index, guard] = index_policies("rel-fencing");
+        assert_eq!(
+            (index.as_str(), guard.as_str()),
+            ("rel-fencing-index", "rel-fencing-index-guard")
+        );
+        let good = serde_json::json!({"metadata": {"name": index},
+            "spec": {"policyName": index, "validationActions": ["Deny"]}});
+        assert_eq!(
+            plain_binding_problem(&index, Some(&binding(good.clone()))),
+            None
+        );
+        assert!(plain_binding_problem(&index, None).is_some_and(|m| m.contains("does not exist")));
+        let mut audit = good.clone();
+        audit["spec"]["validationActions"] = serde_json::json!(["Audit"]);
+        let mut other = good.clone();
+        other["spec"]["policyName"] = serde_json::json!(guard);
+        let mut narrowed = good;
+        narrowed["spec"]["matchResources"] = serde_json::json!({"namespaceSelector": {}});
+        for bad in [audit, other, narrowed] {
+            let m = plain_binding_problem(&index, Some(&binding(bad.clone())));
+            assert!(
+                m.is_some_and(|m| m.contains("not as the chart renders it")),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -101,6 +101,12 @@ impl Term<'_> {
             let period = std::time::Duration::from_secs(args.fencing_policy_check_seconds);
             tokio::spawn(keep_policy_mode(client.clone(), p, intact, period))
         });
+        let index_task = args.fencing_policy.as_ref().map(|_| {
+            tokio::spawn(super::index::keep_index(
+                client.clone(),
+                args.namespace.clone(),
+            ))
+        });
         let namespace = args.namespace.as_deref();
         let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
             .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
@@ -117,7 +123,7 @@ impl Term<'_> {
         let ended = self.ended(state, controller).await;
         debug!(token = self.token.generation, ?ended, "the term ended");
         ctx.metrics.leading.set(0);
-        for t in [certs_task, policy_task].into_iter().flatten() {
+        for t in [certs_task, policy_task, index_task].into_iter().flatten() {
             t.abort();
         }
         ended

@@ -1,0 +1,369 @@
+//! Policy mode's lease index: the names of each namespace's FencedLeases, in an annotation of the
+//! namespace ([`LEASE_INDEX_ANNOTATION`], `/a/b/`), kept by the active controller.
+//!
+//! The chart's one fencing binding judges a write by the lease its label names, one parameter
+//! per lease of the namespace; a write naming a lease that does not exist finds no parameter
+//! and nothing refuses it. The chart's index policy closes that: it refuses a labelled write
+//! whose lease the index does not list (the API server reads namespaces from its own cache, so
+//! the check costs one string search per write). A lag here refuses a new lease's writes until
+//! it is listed (retry); it never lets a write through, since a listed lease that exists is
+//! judged by the fencing policy. So the controller is on the liveness path of new leases, not
+//! on the safety path. Only the controller may change the annotation (the chart's guard).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::api::{FencedLease, FIELD_MANAGER, LEASE_INDEX_ANNOTATION};
+
+/// The most bytes one namespace's index holds. Kubernetes allows 256 KiB of annotations per
+/// object; the rest is left to the namespace's other annotations. Names past it, in name order,
+/// are left out (a warning says how many), and writes naming them are refused.
+pub(crate) const INDEX_MAX_BYTES: usize = 192 * 1024;
+
+/// How long the index gathers changes before it writes: leases created together make one
+/// write per namespace, not one each.
+const INDEX_DEBOUNCE: Duration = Duration::from_millis(50);
+
+/// How long a failed write or read waits before the next try.
+const INDEX_RETRY: Duration = Duration::from_secs(1);
+
+/// The index of `names` (in name order): each between slashes, as many as fit in
+/// [`INDEX_MAX_BYTES`]; and how many were left out.
+pub(crate) fn index_value<'a>(names: impl IntoIterator<Item = &'a String>) -> (String, usize) {
+    let mut value = String::from("/");
+    let mut left_out = 0;
+    for name in names {
+        if left_out > 0 || value.len() + name.len() + 1 > INDEX_MAX_BYTES {
+            left_out += 1;
+            continue;
+        }
+        value.push_str(name);
+        value.push('/');
+    }
+    (value, left_out)
+}
+
+/// Whether `index` lists lease `name`: what the chart's index policy checks, in CEL
+/// (`index.contains('/' + name + '/')`). Lease names hold no slash.
+#[cfg(test)]
+fn lists(index: &str, name: &str) -> bool {
+    !name.is_empty() && !name.contains('/') && index.contains(&format!("/{name}/"))
+}
+
+/// What a watch event changed in the names.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Changed {
+    Nothing,
+    /// These namespaces' names may have changed.
+    Namespaces(BTreeSet<String>),
+    /// A (re)list ended: every namespace may have changed, also ones no longer seen.
+    Relisted(BTreeSet<String>),
+}
+
+/// The FencedLeases' names by namespace, as a metadata watch reports them.
+#[derive(Debug, Default)]
+pub(crate) struct LeaseNames {
+    names: BTreeMap<String, BTreeSet<String>>,
+    relisting: Option<BTreeMap<String, BTreeSet<String>>>,
+}
+
+fn key(m: &PartialObjectMeta<FencedLease>) -> Option<(String, String)> {
+    Some((m.metadata.namespace.clone()?, m.metadata.name.clone()?))
+}
+
+impl LeaseNames {
+    /// Applies one watch event.
+    pub(crate) fn apply(&mut self, event: &Event<PartialObjectMeta<FencedLease>>) -> Changed {
+        match event {
+            Event::Init => {
+                self.relisting = Some(BTreeMap::new());
+                Changed::Nothing
+            }
+            Event::InitApply(m) => {
+                if let (Some(names), Some((ns, name))) = (self.relisting.as_mut(), key(m)) {
+                    names.entry(ns).or_default().insert(name);
+                }
+                Changed::Nothing
+            }
+            Event::InitDone => {
+                let new = self.relisting.take().unwrap_or_default();
+                let old = std::mem::replace(&mut self.names, new);
+                Changed::Relisted(old.into_keys().chain(self.names.keys().cloned()).collect())
+            }
+            Event::Apply(m) => self.change(m, true),
+            Event::Delete(m) => self.change(m, false),
+        }
+    }
+
+    fn change(&mut self, m: &PartialObjectMeta<FencedLease>, present: bool) -> Changed {
+        let Some((ns, name)) = key(m) else {
+            return Changed::Nothing;
+        };
+        let names = self.names.entry(ns.clone()).or_default();
+        let changed = if present {
+            names.insert(name)
+        } else {
+            names.remove(&name)
+        };
+        if changed {
+            Changed::Namespaces([ns].into())
+        } else {
+            Changed::Nothing
+        }
+    }
+
+    /// The index namespace `ns` should carry, and how many names it leaves out.
+    pub(crate) fn index_of(&self, ns: &str) -> (String, usize) {
+        index_value(self.names.get(ns).into_iter().flatten())
+    }
+}
+
+/// Keeps the index of every watched namespace (`namespace`: only that one) until aborted:
+/// the active controller runs it for its term.
+pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
+    let api: Api<PartialObjectMeta<FencedLease>> = match &namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let events = watcher::watcher(api, watcher::Config::default().any_semantic()).default_backoff();
+    futures::pin_mut!(events);
+    let mut ix = Indexer {
+        client,
+        namespace,
+        leases: LeaseNames::default(),
+        written: BTreeMap::new(),
+        dirty: BTreeSet::new(),
+        sweep: false,
+        flush_at: None,
+    };
+    loop {
+        let at = ix.flush_at;
+        tokio::select! {
+            ev = events.next() => match ev {
+                Some(Ok(e)) => ix.seen(&e),
+                Some(Err(e)) => warn!(error = %e, "watching FencedLeases for the lease index failed; retrying"),
+                None => return,
+            },
+            () = sleep_until(at), if at.is_some() => ix.flush().await,
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at).await;
+    }
+}
+
+/// The index writer's state for one term.
+struct Indexer {
+    client: Client,
+    namespace: Option<String>,
+    leases: LeaseNames,
+    /// What this term wrote (or found) in each namespace's index.
+    written: BTreeMap<String, String>,
+    /// Namespaces whose index may be out of date.
+    dirty: BTreeSet<String>,
+    /// Whether to look for namespaces whose index lists leases this term has not seen.
+    sweep: bool,
+    flush_at: Option<Instant>,
+}
+
+impl Indexer {
+    fn seen(&mut self, event: &Event<PartialObjectMeta<FencedLease>>) {
+        match self.leases.apply(event) {
+            Changed::Nothing => return,
+            Changed::Namespaces(ns) => self.dirty.extend(ns),
+            Changed::Relisted(ns) => {
+                self.dirty.extend(ns);
+                self.sweep = true;
+            }
+        }
+        self.flush_at.get_or_insert(Instant::now() + INDEX_DEBOUNCE);
+    }
+
+    /// Writes every dirty namespace's index that changed; what fails is tried again later.
+    async fn flush(&mut self) {
+        self.flush_at = None;
+        if self.sweep {
+            match self.indexed_namespaces().await {
+                Ok(found) => {
+                    self.sweep = false;
+                    for (ns, value) in found {
+                        self.written.insert(ns.clone(), value);
+                        self.dirty.insert(ns);
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "could not read the namespaces' lease indexes; retrying")
+                }
+            }
+        }
+        for ns in std::mem::take(&mut self.dirty) {
+            if let Err(e) = self.write(&ns).await {
+                warn!(namespace = %ns, error = %e, "could not write the namespace's lease index: writes naming its new leases are refused until it is written; retrying (the controller needs patch on namespaces)");
+                self.dirty.insert(ns);
+            }
+        }
+        if self.sweep || !self.dirty.is_empty() {
+            self.flush_at = Some(Instant::now() + INDEX_RETRY);
+        }
+    }
+
+    /// The namespaces (of this controller's scope) that carry an index, with its value.
+    async fn indexed_namespaces(&self) -> Result<Vec<(String, String)>, kube::Error> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let all = match &self.namespace {
+            Some(ns) => api.get_metadata_opt(ns).await?.into_iter().collect(),
+            None => api.list_metadata(&ListParams::default()).await?.items,
+        };
+        Ok(all
+            .into_iter()
+            .filter_map(|n| {
+                let value = n.metadata.annotations?.remove(LEASE_INDEX_ANNOTATION)?;
+                Some((n.metadata.name?, value))
+            })
+            .collect())
+    }
+
+    /// Writes namespace `ns`'s index unless it already says what it should.
+    async fn write(&mut self, ns: &str) -> Result<(), kube::Error> {
+        let (value, left_out) = self.leases.index_of(ns);
+        if left_out > 0 {
+            warn!(namespace = %ns, left_out, max_bytes = INDEX_MAX_BYTES, "the namespace's lease index is full: writes naming the leases left out (last in name order) are refused; spread the leases over more namespaces");
+        }
+        if self.written.get(ns) == Some(&value) {
+            return Ok(());
+        }
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let patch =
+            serde_json::json!({"metadata": {"annotations": {LEASE_INDEX_ANNOTATION: value}}});
+        let pp = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        match api.patch_metadata(ns, &pp, &Patch::Merge(&patch)).await {
+            Ok(_) => {
+                let listed = value.matches('/').count().saturating_sub(1);
+                if self.written.is_empty() {
+                    info!(namespace = %ns, listed, "wrote the first lease index of this term");
+                }
+                debug!(namespace = %ns, listed, "wrote the namespace's lease index");
+                self.written.insert(ns.to_string(), value);
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                self.written.remove(ns);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(ns: &str, name: &str) -> PartialObjectMeta<FencedLease> {
+        use kube::core::PartialObjectMetaExt;
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            namespace: Some(ns.into()),
+            name: Some(name.into()),
+            ..Default::default()
+        }
+        .into_response_partial()
+    }
+
+    fn set(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_index_lists_each_name_between_slashes_and_nothing_else() {
+        let names = set(&["db", "inventory", "db-2"]);
+        let (value, left) = index_value(&names);
+        assert_eq!((value.as_str(), left), ("/db/db-2/inventory/", 0));
+        for (name, listed) in [
+            ("db", true),
+            ("db-2", true),
+            ("inventory", true),
+            ("d", false),
+            ("b", false),
+            ("db-", false),
+            ("inv", false),
+            ("", false),
+            ("db/db-2", false),
+        ] {
+            assert_eq!(lists(&value, name), listed, "{name:?}");
+        }
+        assert_eq!(index_value(&BTreeSet::new()), ("/".to_string(), 0));
+        assert!(!lists("/", "a"));
+    }
+
+    #[test]
+    fn a_full_index_leaves_out_the_last_names_and_stays_in_bounds() {
+        let long: BTreeSet<String> = (0..2000)
+            .map(|i| format!("{i:04}-{}", "x".repeat(250)))
+            .collect();
+        let (value, left) = index_value(&long);
+        assert!(value.len() <= INDEX_MAX_BYTES, "{}", value.len());
+        assert!(left > 0 && left < 2000, "{left}");
+        let listed = value.matches('/').count() - 1;
+        assert_eq!(listed + left, 2000);
+        let first = long.iter().next().expect("first");
+        let last = long.iter().last().expect("last");
+        assert!(lists(&value, first) && !lists(&value, last));
+    }
+
+    #[test]
+    fn watch_events_say_which_namespaces_changed() {
+        let mut n = LeaseNames::default();
+        assert_eq!(n.apply(&Event::Init), Changed::Nothing);
+        assert_eq!(
+            n.apply(&Event::InitApply(meta("shop", "db"))),
+            Changed::Nothing
+        );
+        assert_eq!(n.apply(&Event::InitDone), Changed::Relisted(set(&["shop"])));
+        assert_eq!(n.index_of("shop").0, "/db/");
+        let changed = n.apply(&Event::Apply(meta("shop", "inv")));
+        assert_eq!(changed, Changed::Namespaces(set(&["shop"])));
+        // A renewal or any other update of a known lease changes no name.
+        assert_eq!(
+            n.apply(&Event::Apply(meta("shop", "inv"))),
+            Changed::Nothing
+        );
+        assert_eq!(n.index_of("shop").0, "/db/inv/");
+        assert_eq!(
+            n.apply(&Event::Delete(meta("shop", "db"))),
+            Changed::Namespaces(set(&["shop"]))
+        );
+        assert_eq!(n.index_of("shop").0, "/inv/");
+        // A relist that no longer sees shop's leases: shop changed too (to an empty index).
+        n.apply(&Event::Init);
+        n.apply(&Event::InitApply(meta("bank", "ledger")));
+        assert_eq!(
+            n.index_of("shop").0,
+            "/inv/",
+            "the old names stand until the relist ends"
+        );
+        assert_eq!(
+            n.apply(&Event::InitDone),
+            Changed::Relisted(set(&["bank", "shop"]))
+        );
+        assert_eq!(
+            (n.index_of("shop").0.as_str(), n.index_of("bank").0.as_str()),
+            ("/", "/ledger/")
+        );
+    }
+}
