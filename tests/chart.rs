@@ -1043,7 +1043,8 @@ async fn every_rendered_object_is_accepted_by_the_server() {
             ],
         );
         let docs = documents(&rendered);
-        assert_eq!(find(&docs, "ValidatingAdmissionPolicy").len(), 1);
+        // The fencing policy, the lease index policy and the index's guard.
+        assert_eq!(find(&docs, "ValidatingAdmissionPolicy").len(), 3);
         assert_eq!(find(&docs, "Deployment").len(), 1, "the controller alone");
         apply_dry_run(&ns.name, &rendered);
     }
@@ -1490,6 +1491,50 @@ async fn rbac_is_enough_and_no_more() {
     drop(release);
 }
 
+/// Policy mode's lease index: a policy with no parameter refusing writes whose lease the
+/// namespace's index does not list (bound with Deny), and a guard that lets only the
+/// controller's ServiceAccount change the index.
+fn chart_lease_index(docs: &[serde_json::Value]) {
+    let index = named(
+        docs,
+        "ValidatingAdmissionPolicy",
+        "mode-fencedlease-fencing-index",
+    );
+    assert_eq!(index["spec"]["failurePolicy"], "Fail");
+    assert!(index["spec"].get("paramKind").is_none(), "{index}");
+    let rule = index["spec"]["validations"][0]["expression"]
+        .as_str()
+        .expect("the index rule");
+    assert!(
+        rule.contains("variables.index.contains('/' + variables.lease + '/')"),
+        "{rule}"
+    );
+    let guard = named(
+        docs,
+        "ValidatingAdmissionPolicy",
+        "mode-fencedlease-fencing-index-guard",
+    );
+    let rule = guard["spec"]["validations"][0]["expression"]
+        .as_str()
+        .expect("the guard's rule");
+    assert!(
+        rule.contains(
+            r#"request.userInfo.username in ["system:serviceaccount:ops:mode-fencedlease"]"#
+        ),
+        "{rule}"
+    );
+    for name in [
+        "mode-fencedlease-fencing-index",
+        "mode-fencedlease-fencing-index-guard",
+    ] {
+        let b = named(docs, "ValidatingAdmissionPolicyBinding", name);
+        assert_eq!(b["spec"]["policyName"], name);
+        assert_eq!(b["spec"]["validationActions"], serde_json::json!(["Deny"]));
+        assert!(b["spec"].get("paramRef").is_none(), "{b}");
+        assert!(b["spec"].get("matchResources").is_none(), "{b}");
+    }
+}
+
 #[test]
 fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
     let c = chart();
@@ -1519,10 +1564,11 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             usize::from(webhook),
             "{mode}: the fencing webhook"
         );
+        // The fencing policy, the lease index policy and the index's guard.
         assert_eq!(
             find(&docs, "ValidatingAdmissionPolicy").len(),
-            usize::from(policy),
-            "{mode}: the fencing policy"
+            3 * usize::from(policy),
+            "{mode}: the fencing policies"
         );
         let deploy = named(&docs, "Deployment", "mode-fencedlease-controller");
         let args = container_args(deploy, "controller");
@@ -1552,13 +1598,21 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
         assert!(!role.iter().any(|g| g == makes), "{mode}: {role:?}");
         assert_eq!(
             find(&docs, "ValidatingAdmissionPolicyBinding").len(),
-            usize::from(policy),
-            "{mode}: the chart's one binding"
+            3 * usize::from(policy),
+            "{mode}: the chart's one binding per policy"
         );
+        // Only policy mode keeps the lease index, an annotation of each namespace.
+        let indexes = "patch /namespaces".to_string();
+        assert_eq!(role.contains(&indexes), policy, "{mode}: {role:?}");
         if policy {
+            chart_lease_index(&docs);
             // One binding for every lease: the written object's namespace's FencedLeases are
             // its parameters, and the policy judges only the one the object's label names.
-            let b = one(&docs, "ValidatingAdmissionPolicyBinding");
+            let b = named(
+                &docs,
+                "ValidatingAdmissionPolicyBinding",
+                "mode-fencedlease-fencing",
+            );
             assert_eq!(b["metadata"]["name"], "mode-fencedlease-fencing");
             assert_eq!(b["spec"]["policyName"], "mode-fencedlease-fencing");
             assert_eq!(
@@ -1567,7 +1621,11 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             );
             assert_eq!(b["spec"]["validationActions"], serde_json::json!(["Deny"]));
             assert!(b["spec"].get("matchResources").is_none(), "{b}");
-            let p = one(&docs, "ValidatingAdmissionPolicy");
+            let p = named(
+                &docs,
+                "ValidatingAdmissionPolicy",
+                "mode-fencedlease-fencing",
+            );
             let judged = p["spec"]["matchConditions"][0]["expression"]
                 .as_str()
                 .expect("the judging lease's matchCondition");

@@ -1,7 +1,9 @@
 //! Policy mode (issue 18): with NO webhook running, the API server itself refuses stale writes
 //! to protected objects, evaluating the chart's ValidatingAdmissionPolicy with the object's
-//! FencedLease as its parameter, through the chart's one binding (issue 37). No controller runs
-//! in these stories: the controller is not on the fencing path.
+//! FencedLease as its parameter, through the chart's one binding (issue 37). A controller keeps
+//! the namespace's lease index, which the chart's index policy reads to refuse writes naming a
+//! lease it does not list; the fencing holds with the controller stopped (it is on the liveness
+//! path of new leases only).
 //!
 //! The webhook's stories play here unchanged (`tests/common/stories.rs`): the same writes get
 //! the same verdicts, messages and status (403 Forbidden). Then what differs: the
@@ -149,19 +151,24 @@ async fn policy_mode_a_forged_token_above_the_lease_counts_only_until_the_lease_
 }
 
 /// Where policy mode differs from the webhook, shown: a write labelled for a lease that does not
-/// exist finds no parameter to judge it and is NOT checked (the webhook refuses it), and so are
-/// a deleted lease's objects; the namespace's warn mode is not honoured (refusals stay
-/// refusals, with no warning).
+/// exist is refused by the index policy, with its own message (the webhook says the lease is
+/// missing); the namespace's warn mode is not honoured (refusals stay refusals, with no
+/// warning); a deleted lease's objects are refused once the controller has dropped it from the
+/// index (before that, the lease's parameter may already be gone: the window the book names).
 #[tokio::test]
 async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
     let p = Protected::with_policy("vapdiff").await;
     let ns = &p.ns.name;
 
-    // No lease "ghost": nothing judges the write, so the API server lets it through unchecked.
+    // No lease "ghost": the index does not list it, so the write is refused.
     let ghost = json!({"metadata": {"name": "ghost", "labels": {LEASE: "ghost"}}});
-    create::<ConfigMap>(&p.cms, ghost)
-        .await
-        .expect("policy mode does not check writes labelled for a lease that does not exist");
+    let r = create::<ConfigMap>(&p.cms, ghost).await;
+    assert_refused(
+        "a write labelled for a lease that does not exist",
+        r,
+        403,
+        &format!("FencedLease {ns}/ghost (label fencedlease.io/lease), which the namespace's lease index"),
+    );
 
     // Warn mode of the namespace: the webhook would let a bad write through with a warning; the
     // policy refuses it all the same.
@@ -178,38 +185,37 @@ async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
         "does not present a token of its own",
     );
 
-    // A deleted lease: once the API server's view of the leases has lost it, nothing judges its
-    // objects' writes (policy mode only).
+    // A deleted lease: once the controller has dropped it from the index and the API server
+    // has that index, its objects' writes are refused as naming a lease not listed.
     Api::<FencedLease>::namespaced(p.client.clone(), ns)
         .delete("inv", &DeleteParams::default())
         .await
         .expect("delete the lease");
     eventually(
-        Duration::from_secs(20),
-        "the API server to stop judging inv's objects",
+        Duration::from_secs(30),
+        "the controller to drop inv from the index",
+        || async { (!common::policy::indexed(&p.client, ns, "inv").await).then_some(()) },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the index policy to refuse inv's objects' writes",
         || async {
-            merge(&p.cms, "inv", json!({"data": {"n": "unchecked"}}))
-                .await
-                .ok()
-                .map(|_| ())
+            let r = merge(&p.cms, "inv", json!({"data": {"n": "after the delete"}})).await;
+            r.err()?.1.contains("does not list").then_some(())
         },
     )
     .await;
 }
 
-/// A lease is fenced from the moment the API server has it, with no controller running and no
-/// binding made for it: the chart's one binding judges every lease of every namespace. And
-/// only the lease an object's label names judges its writes: the namespace's other leases
-/// (here, held at other tokens by other holders) never refuse them.
+/// A lease is fenced by the chart's one binding, with no binding made for it: it judges every
+/// lease of every namespace. And only the lease an object's label names judges its writes: the
+/// namespace's other leases (here, held at other tokens by other holders) never refuse them.
 #[tokio::test]
-async fn policy_mode_a_new_lease_is_fenced_without_a_controller_by_the_one_binding() {
+async fn policy_mode_a_new_lease_is_fenced_by_the_one_binding() {
     use common::fencing::{held_lease, protected_meta};
     let p = Protected::with_policy("vapnew").await;
     let ns = &p.ns.name;
-    assert!(
-        p.policy().controller.is_none(),
-        "no controller in policy-mode stories"
-    );
     let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
     let per_lease = bindings
         .list(&ListParams::default())
@@ -261,6 +267,129 @@ async fn policy_mode_a_new_lease_is_fenced_without_a_controller_by_the_one_bindi
         .expect("inv's holder writes while the namespace has other leases");
 }
 
+/// With the controller stopped, nothing is unfenced: the leases it listed stay fenced by the
+/// API server alone (a replaced holder is refused), and a lease created meanwhile, or one that
+/// does not exist at all, is refused by the index policy, even with the new lease's own token,
+/// until the controller is back and lists it.
+#[tokio::test]
+async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
+    use common::fencing::{held_lease, protected_meta};
+    let mut p = Protected::with_policy("vapstop").await;
+    p.policy_mut().stop_controller();
+    common::stories::a_replaced_holder_is_refused(&p).await;
+    let ns = p.ns.name.clone();
+    let late = held_lease(&p.client, &ns, "late", "pod-l").await;
+    let ghost = common::fencing::Held {
+        token: 1,
+        uid: "no-such-uid".into(),
+    };
+    for (what, lease, held) in [
+        ("the new lease's holder", "late", &late),
+        (
+            "a writer naming a lease that does not exist",
+            "ghost",
+            &ghost,
+        ),
+    ] {
+        let r = create::<ConfigMap>(
+            &p.cms,
+            json!({"metadata": protected_meta("l1", lease, held)}),
+        )
+        .await;
+        assert_refused(
+            what,
+            r.clone(),
+            403,
+            "lease index (annotation fencedlease.io/leases) does not list",
+        );
+        let (_, msg) = r.expect_err("refused");
+        assert!(
+            msg.contains(&format!("FencedLease {ns}/{lease}")) && msg.contains("retry"),
+            "{msg}"
+        );
+    }
+    p.policy_mut().start_controller();
+    p.judges("late").await;
+    create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": protected_meta("l1", "late", &late)}),
+    )
+    .await
+    .expect("the new lease's holder writes once the controller lists it");
+    let r = create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": protected_meta("g1", "ghost", &ghost)}),
+    )
+    .await;
+    assert_refused("a write naming a missing lease", r, 403, "does not list");
+}
+
+/// Only the controller writes a namespace's lease index: anyone else (here a cluster admin) is
+/// refused, whether they add a name, change the index or create a namespace carrying one;
+/// other annotations of the namespace stay free to change.
+#[tokio::test]
+async fn policy_mode_only_the_controller_writes_the_lease_index() {
+    let p = Protected::with_policy("vapguard").await;
+    let ns = p.ns.name.clone();
+    let admin = ["--as", "someone-else", "--as-group", "system:masters"];
+    let annotate = |value: &str| {
+        let kv = format!("fencedlease.io/leases={value}");
+        let mut args = vec![
+            "annotate",
+            "namespace",
+            ns.as_str(),
+            kv.as_str(),
+            "--overwrite",
+        ];
+        args.extend(admin);
+        kubectl(&args)
+    };
+    let (ok, _, err) = annotate("/inv/ghost/");
+    assert!(
+        !ok && err.contains("only the fencedlease controller writes it"),
+        "{err}"
+    );
+    let mut args = vec![
+        "annotate",
+        "namespace",
+        ns.as_str(),
+        "fencedlease.io/leases-",
+    ];
+    args.extend(admin);
+    let (ok, _, err) = kubectl(&args);
+    assert!(!ok && err.contains("not someone-else"), "{err}");
+    let mut args = vec![
+        "annotate",
+        "namespace",
+        ns.as_str(),
+        "team=shop",
+        "--overwrite",
+    ];
+    args.extend(admin);
+    let (ok, _, err) = kubectl(&args);
+    assert!(ok, "another annotation: {err}");
+    let fake = format!("{ns}-fake");
+    let manifest = json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": fake, "annotations": {"fencedlease.io/leases": "/ghost/"}}});
+    let file = common::procs::scratch_dir("vapguard").join("ns.json");
+    std::fs::write(&file, manifest.to_string()).expect("write");
+    let mut args = vec!["create", "-f", file.to_str().expect("utf-8")];
+    args.extend(admin);
+    let (ok, _, err) = kubectl(&args);
+    if ok {
+        let _ = kubectl(&["delete", "namespace", &fake, "--wait=false"]);
+    }
+    assert!(
+        !ok && err.contains("only the fencedlease controller writes it"),
+        "{err}"
+    );
+    assert!(
+        common::policy::indexed(&p.client, &ns, "inv").await
+            && !common::policy::indexed(&p.client, &ns, "ghost").await,
+        "the index is the controller's"
+    );
+}
+
 /// A controller in policy mode removes the per-lease bindings that releases up to 0.2.0 kept for
 /// its policy, and leaves every other binding alone; the writes stay judged throughout.
 #[tokio::test]
@@ -293,8 +422,7 @@ async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
         .create(&pp, &legacy(&theirs, "another-fencing"))
         .await
         .expect("another policy's binding");
-    let dir = common::procs::scratch_dir("vaplegacy-controller");
-    p.policy_mut().start_controller(&dir, &ns);
+    p.policy_mut().start_controller();
     eventually(
         Duration::from_secs(60),
         "the controller to remove 0.2.0's per-lease binding",
@@ -319,21 +447,15 @@ async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
 #[tokio::test]
 async fn policy_mode_the_controller_reports_a_changed_binding() {
     let mut p = Protected::with_policy("vapwatch").await;
-    let ns = p.ns.name.clone();
     let name = p.policy().name.clone();
     let port = common::webhook::free_port();
     let addr = format!("127.0.0.1:{port}");
-    let dir = common::procs::scratch_dir("vapwatch-controller");
-    p.policy_mut().start_controller_with(
-        &dir,
-        &ns,
-        &[
-            "--metrics-addr",
-            &addr,
-            "--fencing-policy-check-seconds",
-            "1",
-        ],
-    );
+    p.policy_mut().start_controller_with(&[
+        "--metrics-addr",
+        &addr,
+        "--fencing-policy-check-seconds",
+        "1",
+    ]);
     let intact = |want: f64| {
         let addr = addr.clone();
         async move {
@@ -417,7 +539,7 @@ async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
     let mut fence = common::policy::PolicyFence::start(&client, &dir, &ns.name).await;
     let (ok, _, err) = kubectl(&["delete", "validatingadmissionpolicybinding", &fence.name]);
     assert!(ok, "{err}");
-    let c = fence.start_controller(&dir, &ns.name);
+    let c = fence.start_controller();
     let code = c.wait_exit(Duration::from_secs(20));
     let log = c.log_tail();
     assert_eq!(code, Some(1), "{log}");
@@ -458,7 +580,12 @@ async fn policy_mode_a_kubelet_reports_a_protected_pod_s_status_and_nothing_else
     common::eventually(
         Duration::from_secs(30),
         "protected pods to be judged",
-        || async { pods_api.create(&dry, &probe).await.err().map(|_| ()) },
+        || async {
+            let e = pods_api.create(&dry, &probe).await.err()?;
+            e.to_string()
+                .contains("every write must carry")
+                .then_some(())
+        },
     )
     .await;
     let pod = json!({"metadata": protected_meta("p", "inv", &a), "spec": spec});

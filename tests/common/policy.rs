@@ -1,9 +1,9 @@
 //! Policy mode for the fencing tests: the chart's ValidatingAdmissionPolicy and its one binding
 //! (rendered from `charts/fencedlease/templates/fencing-policy.yaml`, the one definition of its
-//! CEL), scoped to one test namespace. No webhook and no controller run: the API server judges
-//! the writes itself, so every policy-mode story shows that the controller is off the fencing
-//! path. [`PolicyFence::start_controller`] adds a real `fencedlease controller --fencing-policy`
-//! where a test needs one.
+//! CEL), scoped to one test namespace, with its lease index policy and the index's guard. No
+//! webhook runs: the API server judges the writes itself. A real `fencedlease controller
+//! --fencing-policy` keeps the namespace's lease index (only that: the fencing itself is the
+//! API server's); [`PolicyFence::stop_controller`] shows the fencing holds without it.
 
 use std::path::Path;
 use std::time::Duration;
@@ -14,10 +14,17 @@ use kube::Client;
 use super::helm::{chart, helm_ok};
 use super::procs::{controller_with, Proc};
 
+/// The user the tests' kubeconfig authenticates as (hack/cluster.sh): the tests' controllers
+/// run as it, so the rendered index guard lets it write the lease index.
+pub const TEST_USER: &str = "admin";
+
 pub struct PolicyFence {
-    /// The ValidatingAdmissionPolicy's name, and its binding's.
+    /// The ValidatingAdmissionPolicy's name, and its binding's; the index policy and its guard
+    /// are named after it ([`PolicyFence::names`]).
     pub name: String,
     pub controller: Option<Proc>,
+    dir: std::path::PathBuf,
+    ns: String,
 }
 
 /// Panics (the test fails, never skips) when the server lacks ValidatingAdmissionPolicy v1.
@@ -50,6 +57,7 @@ pub fn render_policy(release: &str, ns: &str) -> String {
 pub fn render_policy_with(release: &str, ns: &str, extra: &[&str]) -> String {
     let selector = format!(r#"{{"matchLabels":{{"fencedlease.io/test-ns":"{ns}"}}}}"#);
     let (chart, selector) = (chart(), format!("fencing.namespaceSelector={selector}"));
+    let writers = format!(r#"fencing.indexWriters=["{TEST_USER}"]"#);
     let mut args = vec![
         "template",
         release,
@@ -63,6 +71,8 @@ pub fn render_policy_with(release: &str, ns: &str, extra: &[&str]) -> String {
         "fencing.excludeReleaseNamespace=false",
         "--set-json",
         &selector,
+        "--set-json",
+        &writers,
         "--api-versions",
         "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
         "--show-only",
@@ -89,68 +99,107 @@ impl PolicyFence {
             .expect("write the rendered policy");
         let (ok, _, err) = super::kubectl(&["apply", "-f", file.to_str().expect("utf-8")]);
         assert!(ok, "installing the fencing policy failed: {err}");
-        // The API server type-checks the CEL against the matched types: no warnings.
-        let status = super::eventually(
-            Duration::from_secs(20),
-            "the policy to be type-checked",
-            || async {
-                let (ok, out, _) = super::kubectl(&[
-                    "get",
-                    "validatingadmissionpolicy",
-                    &name,
-                    "-o",
-                    "jsonpath={.status}",
-                ]);
-                (ok && out.contains("typeChecking")).then_some(out)
-            },
-        )
-        .await;
-        assert!(
-            !status.contains("expressionWarnings"),
-            "the fencing policy's CEL has type-checking warnings: {status}"
-        );
-        PolicyFence {
+        let mut fence = PolicyFence {
             name,
             controller: None,
+            dir: dir.to_path_buf(),
+            ns: ns.to_string(),
+        };
+        // The API server type-checks the CEL against the matched types: no warnings.
+        for policy in fence.names() {
+            let status = super::eventually(
+                Duration::from_secs(20),
+                &format!("policy {policy} to be type-checked"),
+                || async {
+                    let (ok, out, _) = super::kubectl(&[
+                        "get",
+                        "validatingadmissionpolicy",
+                        &policy,
+                        "-o",
+                        "jsonpath={.status}",
+                    ]);
+                    (ok && out.contains("typeChecking")).then_some(out)
+                },
+            )
+            .await;
+            assert!(
+                !status.contains("expressionWarnings"),
+                "policy {policy}'s CEL has type-checking warnings: {status}"
+            );
         }
+        fence.start_controller_as("indexer", &[]);
+        fence
     }
 
-    /// Starts `fencedlease controller --fencing-policy` for this policy, in namespace `ns`.
-    pub fn start_controller(&mut self, dir: &Path, ns: &str) -> &mut Proc {
-        self.start_controller_with(dir, ns, &[])
+    /// The fencing policy, the index policy and the index's guard (each with a binding of the
+    /// same name).
+    pub fn names(&self) -> [String; 3] {
+        let n = &self.name;
+        [n.clone(), format!("{n}-index"), format!("{n}-index-guard")]
+    }
+
+    /// Starts `fencedlease controller --fencing-policy` for this policy (identity
+    /// "controller"), in place of the one running.
+    pub fn start_controller(&mut self) -> &mut Proc {
+        self.start_controller_with(&[])
     }
 
     /// [`PolicyFence::start_controller`] with more arguments.
-    pub fn start_controller_with(&mut self, dir: &Path, ns: &str, extra: &[&str]) -> &mut Proc {
+    pub fn start_controller_with(&mut self, extra: &[&str]) -> &mut Proc {
+        self.start_controller_as("controller", extra)
+    }
+
+    fn start_controller_as(&mut self, identity: &str, extra: &[&str]) -> &mut Proc {
+        self.stop_controller();
         let mut args = vec!["--fencing-policy", self.name.as_str()];
         args.extend_from_slice(extra);
-        let c = controller_with(dir, ns, "controller", &args);
+        let c = controller_with(&self.dir, &self.ns, identity, &args);
         self.controller.insert(c)
+    }
+
+    /// Stops the controller (SIGTERM: it hands its election lease back) and waits for it to
+    /// exit.
+    pub fn stop_controller(&mut self) {
+        if let Some(mut c) = self.controller.take() {
+            c.signal(nix::sys::signal::Signal::SIGTERM);
+            let code = c.wait_exit(Duration::from_secs(60));
+            assert_eq!(code, Some(0), "the controller's exit: {}", c.log_tail());
+        }
     }
 }
 
 impl Drop for PolicyFence {
     fn drop(&mut self) {
-        let _ = super::kubectl(&[
-            "delete",
-            "validatingadmissionpolicy",
-            &self.name,
-            "--ignore-not-found",
-            "--wait=false",
-        ]);
-        let _ = super::kubectl(&[
-            "delete",
-            "validatingadmissionpolicybindings",
-            &self.name,
-            "--ignore-not-found",
-            "--wait=false",
-        ]);
+        for name in self.names() {
+            for kind in [
+                "validatingadmissionpolicy",
+                "validatingadmissionpolicybindings",
+            ] {
+                let _ =
+                    super::kubectl(&["delete", kind, &name, "--ignore-not-found", "--wait=false"]);
+            }
+        }
     }
 }
 
-/// Waits until a write labelled for `lease` in `ns` is judged (a labelled create without a
-/// token is refused by fencedlease): the API server has loaded the policy, its binding and the
-/// lease.
+/// Whether namespace `ns`'s lease index lists `lease` (as the index policy reads it).
+pub async fn indexed(client: &Client, ns: &str, lease: &str) -> bool {
+    use fencedlease::api::LEASE_INDEX_ANNOTATION;
+    use k8s_openapi::api::core::v1::Namespace;
+    let Ok(n) = kube::Api::<Namespace>::all(client.clone()).get(ns).await else {
+        return false;
+    };
+    n.metadata
+        .annotations
+        .and_then(|mut a| a.remove(LEASE_INDEX_ANNOTATION))
+        .is_some_and(|i| i.contains(&format!("/{lease}/")))
+}
+
+/// Waits until a write labelled for `lease` in `ns` is judged by the lease (a labelled create
+/// without a token is refused as one that carries no token): the controller has listed the
+/// lease in the namespace's index, and the API server has loaded the policies, their bindings,
+/// the index and the lease. (A write the index policy refuses, the API server reports with the
+/// index policy's message even when the fencing policy refuses it too.)
 pub async fn wait_judged(client: &Client, ns: &str, lease: &str, timeout: Duration) {
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::{Api, PostParams};
@@ -165,8 +214,11 @@ pub async fn wait_judged(client: &Client, ns: &str, lease: &str, timeout: Durati
             dry_run: true,
             ..Default::default()
         };
+        if !indexed(client, ns, lease).await {
+            return None;
+        }
         match cms.create(&dry, &probe).await {
-            Err(kube::Error::Api(s)) if s.message.contains("fencedlease") => Some(()),
+            Err(kube::Error::Api(s)) if s.message.contains("every write must carry") => Some(()),
             _ => None,
         }
     })

@@ -357,6 +357,14 @@ The labels and annotations the webhooks read, as the keys in elector/src/api.rs 
 */}}
 {{- define "fencedlease.leaseKey" -}}fencedlease.io/lease{{- end -}}
 {{- define "fencedlease.injectKey" -}}fencedlease.io/inject{{- end -}}
+{{- /* Policy mode's lease index on each namespace (elector/src/api.rs LEASE_INDEX_ANNOTATION). */ -}}
+{{- define "fencedlease.indexKey" -}}fencedlease.io/leases{{- end -}}
+
+{{- /* Who may write the lease index, as a JSON list: the controller's ServiceAccount and
+fencing.indexWriters. */ -}}
+{{- define "fencedlease.indexWriters" -}}
+{{- prepend .Values.fencing.indexWriters (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "fencedlease.serviceAccountName" .)) | toJson -}}
+{{- end -}}
 {{- define "fencedlease.stampKeys" -}}
 {{- list "fencedlease.io/token" "fencedlease.io/lease-uid" "fencedlease.io/write-id" "fencedlease.io/delete-intent" | toJson -}}
 {{- end -}}
