@@ -1,7 +1,9 @@
 """Policy mode benchmarks (issue 18, issue 37): the chart's ValidatingAdmissionPolicy and its one
 binding (fencing.mode: policy), beside the webhook. No controller runs: the chart's binding takes
 every FencedLease of the written object's namespace as a parameter, and the policy's
-matchCondition keeps only the lease the object's label names.
+matchCondition keeps only the lease the object's label names. The chart's index policy reads each
+namespace's lease index (annotation fencedlease.io/leases), which the bench writes itself, as the
+controller would (index()), once its leases exist; so each protected write pays for both policies.
 
 apiserver - policy-apiserver: the same protected ConfigMap update through the API server three
           ways in one run: no fencing, the webhook, the policy. Nothing is installed or removed
@@ -52,6 +54,10 @@ HOOK = "fencing.fencedlease.io"
 PLUGIN = {"webhook": "ValidatingAdmissionWebhook", "policy": "ValidatingAdmissionPolicy"}
 BINDINGS = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
 POLICIES = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+# The bench cluster's admin (hack/cluster.sh's token user): the rendered index guard lets it
+# write the lease index, as it lets the controller.
+BENCH_USER = "admin"
+INDEX_KEY = "fencedlease.io/leases"
 
 
 # -- the policy -------------------------------------------------------------------------------
@@ -73,6 +79,7 @@ def install_policy(kube: Kube, release: str, ns: str, work: Path) -> str:
                         "--namespace", ns, "--set", "fencing.mode=policy",
                         "--set", "fencing.excludeReleaseNamespace=false",
                         "--set-json", f"fencing.namespaceSelector={sel}",
+                        "--set-json", f"fencing.indexWriters={json.dumps([BENCH_USER])}",
                         "--api-versions", "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
                         "--show-only", "templates/fencing-policy.yaml"],
                        capture_output=True, text=True)
@@ -82,15 +89,29 @@ def install_policy(kube: Kube, release: str, ns: str, work: Path) -> str:
     (work / "policy.yaml").write_text(r.stdout)
     lib.kubectl("apply", "-f", str(work / "policy.yaml"))
     name = f"{release}-fencedlease-fencing"
+    for policy in policy_names(name):
+        def checked():
+            st = (kube.get_opt(f"{POLICIES}/{policy}") or {}).get("status") or {}
+            return st if "typeChecking" in st else None
 
-    def checked():
-        st = (kube.get_opt(f"{POLICIES}/{name}") or {}).get("status") or {}
-        return st if "typeChecking" in st else None
-
-    st = lib.wait_until(checked, 30, "the policy to be type-checked", interval=0.2)
-    if (st.get("typeChecking") or {}).get("expressionWarnings"):
-        raise SystemExit(f"the fencing policy's CEL has type-checking warnings: {st}")
+        st = lib.wait_until(checked, 30, f"policy {policy} to be type-checked", interval=0.2)
+        if (st.get("typeChecking") or {}).get("expressionWarnings"):
+            raise SystemExit(f"policy {policy}'s CEL has type-checking warnings: {st}")
     return name
+
+
+def policy_names(policy: str) -> list[str]:
+    """The chart's three policies of policy mode (each with a binding of its name): the fencing
+    policy, the lease index policy and the index's guard."""
+    return [policy, f"{policy}-index", f"{policy}-index-guard"]
+
+
+def index(kube: Kube, ns: str, names: list[str]) -> None:
+    """Writes namespace `ns`'s lease index as the controller does (src/controller/index.rs): every
+    lease name between slashes, in name order."""
+    value = "/" + "".join(f"{n}/" for n in sorted(names))
+    kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"annotations": {INDEX_KEY: value}}},
+                 "application/merge-patch+json")
 
 
 def remove_binding(kube: Kube, policy: str) -> None:
@@ -103,8 +124,9 @@ def restore_binding(work: Path) -> None:
 
 
 def remove_policy(kube: Kube, policy: str) -> None:
-    remove_binding(kube, policy)
-    kube.request("DELETE", f"{POLICIES}/{policy}", ok=(200, 404))
+    for name in policy_names(policy):
+        remove_binding(kube, name)
+        kube.request("DELETE", f"{POLICIES}/{name}", ok=(200, 404))
 
 
 # -- switching and probing ------------------------------------------------------------------
@@ -112,7 +134,7 @@ def remove_policy(kube: Kube, policy: str) -> None:
 
 def judged_by(kube: Kube, ns: str, lease: str) -> str:
     """Who refuses a labelled ConfigMap without a token (a dry-run create): 'webhook',
-    'policy' or 'none' (allowed)."""
+    'policy', 'index' (the index policy: the lease is not listed) or 'none' (allowed)."""
     probe = {"apiVersion": "v1", "kind": "ConfigMap",
              "metadata": {"name": "mode-probe", "labels": {"fencedlease.io/lease": lease}}}
     try:
@@ -122,6 +144,8 @@ def judged_by(kube: Kube, ns: str, lease: str) -> str:
         text = str(e.body)
         if f'admission webhook "{HOOK}" denied' in text:
             return "webhook"
+        if "-fencing-index' with binding" in text:
+            return "index"
         if "ValidatingAdmissionPolicy" in text and "fencedlease: this object is protected" in text:
             return "policy"
         if "ValidatingAdmissionPolicy" in text:
@@ -322,6 +346,7 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
     kube.create_namespace(ns, {MODE_LABEL: "none"})
     uid, gen = held_lease(kube, ns, "inventory")
     w = Writer(kube, ns, "inventory", uid, gen)
+    index(kube, ns, ["inventory"])
     policy = install_policy(kube, f"bench-vap-{sfx}", ns, work)
     wh, port, _, bundle = lib.start_webhook("webhook-vap", work / "logs", work / "certs")
     hook = f"fencedlease-bench-{ns}"
@@ -410,6 +435,7 @@ def layout_writer(kube: Kube, ns: str) -> Writer:
     kube.create_namespace(ns, {MODE_LABEL: "none"})
     uid, gen = held_lease(kube, ns, "inventory")
     w = Writer(kube, ns, "inventory", uid, gen)
+    index(kube, ns, ["inventory"])
     kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {MODE_LABEL: "policy"}}},
                  "application/merge-patch+json")
     return w
@@ -473,9 +499,13 @@ def layout(args, kube: Kube, work: Path) -> dict:
         remove_binding(kube, policy)
         lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "none", 60, "the binding to go")
         t0 = time.monotonic()
-        lib.create_leases(kube, ns, [f"lease-{i:05d}" for i in range(1, per)])
+        spread = [f"lease-{i:05d}" for i in range(1, per)]
+        lib.create_leases(kube, ns, spread)
+        index(kube, ns, ["inventory", *spread])
         for n in others:
-            lib.create_leases(kube, n, [f"lease-{i:05d}" for i in range(per)], log_every=10**9)
+            names = [f"lease-{i:05d}" for i in range(per)]
+            lib.create_leases(kube, n, names, log_every=10**9)
+            index(kube, n, names)
         res["create_s"] = time.monotonic() - t0
         res["leases"] = footprint(kube, args.settle, args.idle, f"{per * per} leases, no binding")
 
@@ -497,7 +527,9 @@ def layout(args, kube: Kube, work: Path) -> dict:
 
         step(f"policy-layout: one more namespace, of {per * per} leases")
         wbig = layout_writer(kube, big)
-        lib.create_leases(kube, big, [f"lease-{i:05d}" for i in range(1, per * per)], log_every=2000)
+        names = [f"lease-{i:05d}" for i in range(1, per * per)]
+        lib.create_leases(kube, big, names, log_every=2000)
+        index(kube, big, ["inventory", *names])
         lib.wait_until(lambda: judged_by(kube, big, f"lease-{per * per - 1:05d}") == "policy", 300,
                        f"the binding to judge {big}'s objects", interval=0.5)
         res["bound"]["writes_one_namespace"] = measured(kube, wbig, args, f"{per * per} leases in the namespace")

@@ -264,10 +264,15 @@ def policy_layout(d: dict, md: list[str], summary: dict, verdict) -> None:
               f"({d['leases']['apiserver_rss_mib']:.0f} MiB with the leases and no binding, "
               f"{b['apiserver_rss_mib']:.0f} MiB with the binding), in effect {d['judged_s']:.1f} s after the "
               f"binding was created. A write naming a lease that does not exist: {d['missing_lease_with_leases']} "
-              f"in a namespace with leases, {d['missing_lease_no_leases']} in one without (none = accepted).")
+              f"in a namespace with leases, {d['missing_lease_no_leases']} in one without (none = accepted, "
+              f"index = refused by the lease index policy).")
     summary["policy_layout"] = {"per": per, "rows": rows, "policy_machinery_rss_mib": r3(mem),
                                 "missing_lease_with_leases": d["missing_lease_with_leases"],
                                 "missing_lease_no_leases": d["missing_lease_no_leases"]}
+    refused = [d["missing_lease_with_leases"], d["missing_lease_no_leases"]]
+    verdict("policy mode refuses a write naming a lease that does not exist (issue 37)",
+            refused == ["index", "index"], f"with leases in the namespace: {refused[0]}; without: {refused[1]}",
+            "met if the lease index policy refuses both (none would mean accepted unchecked)")
     if per < 100 or rows["spread"]["p99_ratio"] is None:
         return
     verdict(f"policy mode, {per} x {per} leases: validating step p99 within 2x of one lease's (issue 37)",
