@@ -5,10 +5,12 @@
 //! per lease of the namespace; a write naming a lease that does not exist finds no parameter
 //! and nothing refuses it. The chart's index policy closes that: it refuses a labelled write
 //! whose lease the index does not list (the API server reads namespaces from its own cache, so
-//! the check costs one string search per write). A lag here refuses a new lease's writes until
-//! it is listed (retry); it never lets a write through, since a listed lease that exists is
-//! judged by the fencing policy. So the controller is on the liveness path of new leases, not
-//! on the safety path. Only the controller may change the annotation (the chart's guard).
+//! the check costs one string search per write). A lag in listing a new lease refuses its
+//! writes until it is listed (retry). A lag in dropping a deleted lease is the one that admits:
+//! until the index drops it, a write naming it finds no parameter and passes unchecked (while
+//! the controller is down, for as long as it is down; the book names the window). Only the
+//! controller may change the annotation (the chart's guard), and it writes on the version it
+//! read, so that a write of an earlier term cannot put back a name it dropped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -135,13 +137,15 @@ pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let events = watcher::watcher(api, watcher::Config::default().any_semantic()).default_backoff();
+    // Consistent lists (not any_semantic): a relist from a lagging cache could list a lease
+    // already deleted, and put it back in the index.
+    let events = watcher::watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
     let mut ix = Indexer {
         client,
         namespace,
         leases: LeaseNames::default(),
-        written: BTreeMap::new(),
+        writes: 0,
         dirty: BTreeSet::new(),
         sweep: false,
         flush_at: None,
@@ -170,8 +174,8 @@ struct Indexer {
     client: Client,
     namespace: Option<String>,
     leases: LeaseNames,
-    /// What this term wrote (or found) in each namespace's index.
-    written: BTreeMap<String, String>,
+    /// How many indexes this term wrote.
+    writes: u64,
     /// Namespaces whose index may be out of date.
     dirty: BTreeSet<String>,
     /// Whether to look for namespaces whose index lists leases this term has not seen.
@@ -199,10 +203,7 @@ impl Indexer {
             match self.indexed_namespaces().await {
                 Ok(found) => {
                     self.sweep = false;
-                    for (ns, value) in found {
-                        self.written.insert(ns.clone(), value);
-                        self.dirty.insert(ns);
-                    }
+                    self.dirty.extend(found);
                 }
                 Err(e) => {
                     warn!(error = %e, "could not read the namespaces' lease indexes; retrying")
@@ -220,8 +221,8 @@ impl Indexer {
         }
     }
 
-    /// The namespaces (of this controller's scope) that carry an index, with its value.
-    async fn indexed_namespaces(&self) -> Result<Vec<(String, String)>, kube::Error> {
+    /// The namespaces (of this controller's scope) that carry an index.
+    async fn indexed_namespaces(&self) -> Result<Vec<String>, kube::Error> {
         let api: Api<Namespace> = Api::all(self.client.clone());
         let all = match &self.namespace {
             Some(ns) => api.get_metadata_opt(ns).await?.into_iter().collect(),
@@ -229,25 +230,39 @@ impl Indexer {
         };
         Ok(all
             .into_iter()
-            .filter_map(|n| {
-                let value = n.metadata.annotations?.remove(LEASE_INDEX_ANNOTATION)?;
-                Some((n.metadata.name?, value))
+            .filter(|n| {
+                let a = n.metadata.annotations.as_ref();
+                a.is_some_and(|a| a.contains_key(LEASE_INDEX_ANNOTATION))
             })
+            .filter_map(|n| n.metadata.name)
             .collect())
     }
 
-    /// Writes namespace `ns`'s index unless it already says what it should.
+    /// Writes namespace `ns`'s index unless it already says what it should. It reads the
+    /// namespace first (a quorum read) and writes on that version only: a write of an earlier
+    /// term still in flight, or anyone else's, makes this one fail (409) and be tried again on
+    /// what is there then, rather than be overwritten or overwrite it.
     async fn write(&mut self, ns: &str) -> Result<(), kube::Error> {
         let (value, left_out) = self.leases.index_of(ns);
         if left_out > 0 {
             warn!(namespace = %ns, left_out, max_bytes = INDEX_MAX_BYTES, "the namespace's lease index is full: writes naming the leases left out (last in name order) are refused; spread the leases over more namespaces");
         }
-        if self.written.get(ns) == Some(&value) {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let Some(now) = api.get_metadata_opt(ns).await? else {
+            return Ok(()); // gone: nothing to index
+        };
+        let current = now
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(LEASE_INDEX_ANNOTATION));
+        if current == Some(&value) {
             return Ok(());
         }
-        let api: Api<Namespace> = Api::all(self.client.clone());
-        let patch =
-            serde_json::json!({"metadata": {"annotations": {LEASE_INDEX_ANNOTATION: value}}});
+        let patch = serde_json::json!({"metadata": {
+            "resourceVersion": now.metadata.resource_version,
+            "annotations": {LEASE_INDEX_ANNOTATION: value},
+        }});
         let pp = PatchParams {
             field_manager: Some(FIELD_MANAGER.into()),
             ..Default::default()
@@ -255,17 +270,14 @@ impl Indexer {
         match api.patch_metadata(ns, &pp, &Patch::Merge(&patch)).await {
             Ok(_) => {
                 let listed = value.matches('/').count().saturating_sub(1);
-                if self.written.is_empty() {
+                if self.writes == 0 {
                     info!(namespace = %ns, listed, "wrote the first lease index of this term");
                 }
                 debug!(namespace = %ns, listed, "wrote the namespace's lease index");
-                self.written.insert(ns.to_string(), value);
+                self.writes += 1;
                 Ok(())
             }
-            Err(kube::Error::Api(s)) if s.code == 404 => {
-                self.written.remove(ns);
-                Ok(())
-            }
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
             Err(e) => Err(e),
         }
     }
