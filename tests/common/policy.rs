@@ -170,13 +170,16 @@ impl PolicyFence {
 
 impl Drop for PolicyFence {
     fn drop(&mut self) {
-        for name in self.names() {
-            for kind in [
-                "validatingadmissionpolicy",
-                "validatingadmissionpolicybindings",
-            ] {
+        // Bindings first: a binding whose policy is gone makes the API server refuse what it
+        // matches (the index guard: every namespace write of the cluster), while a policy
+        // without a binding does nothing.
+        for kind in [
+            "validatingadmissionpolicybindings",
+            "validatingadmissionpolicy",
+        ] {
+            for name in self.names() {
                 let _ =
-                    super::kubectl(&["delete", kind, &name, "--ignore-not-found", "--wait=false"]);
+                    super::kubectl(&["delete", kind, &name, "--ignore-not-found", "--wait=true"]);
             }
         }
     }
