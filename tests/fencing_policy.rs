@@ -201,7 +201,14 @@ async fn policy_mode_what_it_does_not_check_and_what_it_does_not_soften() {
         Duration::from_secs(30),
         "the index policy to refuse inv's objects' writes",
         || async {
-            let r = merge(&p.cms, "inv", json!({"data": {"n": "after the delete"}})).await;
+            // The deleted lease's own holder, with its token.
+            let r = fenced_merge(
+                &p.cms,
+                "inv",
+                &p.a,
+                json!({"data": {"n": "after the delete"}}),
+            )
+            .await;
             r.err()?.1.contains("does not list").then_some(())
         },
     )
@@ -358,6 +365,42 @@ async fn policy_mode_only_the_controller_writes_the_lease_index() {
     args.extend(admin);
     let (ok, _, err) = kubectl(&args);
     assert!(!ok && err.contains("not someone-else"), "{err}");
+    // Through /status and by server-side apply, the same.
+    let body =
+        json!({"metadata": {"annotations": {"fencedlease.io/leases": "/inv/ghost/"}}}).to_string();
+    let mut args = vec![
+        "patch",
+        "namespace",
+        ns.as_str(),
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        body.as_str(),
+    ];
+    args.extend(admin);
+    let (ok, _, err) = kubectl(&args);
+    assert!(
+        !ok && err.contains("only the fencedlease controller writes it"),
+        "/status: {err}"
+    );
+    let applied = json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": ns, "annotations": {"fencedlease.io/leases": "/inv/ghost/"}}});
+    let file = common::procs::scratch_dir("vapguard-ssa").join("ns.json");
+    std::fs::write(&file, applied.to_string()).expect("write");
+    let mut args = vec![
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=intruder",
+        "-f",
+        file.to_str().expect("utf-8"),
+    ];
+    args.extend(admin);
+    let (ok, _, err) = kubectl(&args);
+    assert!(
+        !ok && err.contains("only the fencedlease controller writes it"),
+        "server-side apply: {err}"
+    );
     let mut args = vec![
         "annotate",
         "namespace",
