@@ -363,7 +363,9 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
         "no overlap of belief on real clocks": [f"{real:.3f} s"] if real > 0 else [],
         f"at least {min_stale} stale writes judged by the fence": [] if len(judged) >= min_stale else
         [f"only {len(judged)}: the run could not have caught a fencing bug"],
-        "every fault injected": [k for k in faults if k.endswith("_failed")],
+        "every fault injected": [k for k in faults if k.endswith("_failed")] + [
+            f"{k} never injected" for k in run.get("fault_kinds", [])
+            if not any(f == k or f.startswith(k + "_") and not f.endswith("_failed") for f in faults)],
         "some writes accepted": [] if any(o["verdict"] == "accepted" for o in ops) else ["none: the run proves nothing"],
     }
     return {

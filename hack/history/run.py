@@ -40,8 +40,9 @@ SELECT = f"fieldSelector=metadata.name%3D{LEASE}"
 # Who leads (the lease's holderIdentity) -> its processes: the whole "pod", and the candidate
 # alone. The sidecar-backed apps are other containers of the sidecar's pod.
 SIDECAR_POD = ["sidecar", "s-http", "s-file", "s-deaf"]
-# The nemesis: two threads, each choosing its faults by weight, so that faults also overlap
-# (a pause during an API server restart, a partition while the webhook restarts).
+# The nemesis: two threads, so that faults also overlap (a pause during an API server restart,
+# a partition while the webhook restarts). Each plays its faults in rounds where every kind comes
+# as often as its weight; the seed chooses only the order, so every run injects every kind.
 HOLDER_FAULTS = {"pause_short": 2, "pause_long": 2, "pause_candidate_only": 3, "kill": 2}
 CLUSTER_FAULTS = {"webhook": 1, "controller": 1, "apiserver": 1, "etcd": 1, "hang": 1, "slow": 1, "partition": 2}
 
@@ -130,6 +131,11 @@ class Partition:
             r = sh(*self.inside("iptables", "-A", chain, flag, self.ns_if, "-j", "DROP"))
             if r.returncode:
                 raise SystemExit(f"history: iptables failed: {r.stderr.strip()}")
+
+    def drops(self):
+        """Whether the cut drops traffic: a connection from inside to the host's relay fails."""
+        probe = (f"import socket; socket.create_connection(('{self.host_ip}', {self.api_port}), timeout=1)")
+        return sh(*self.inside(sys.executable, "-c", probe)).returncode != 0
 
     def heal(self):
         sh(*self.inside("iptables", "-F"))
@@ -391,18 +397,25 @@ class Run:
                 self.faults["nemesis_failed"] = 1
 
     def faults_from(self, faults, rng):
-        kinds = [k for k, w in faults.items() for _ in range(w)]
-        end = time.time() + self.a.duration
-        while time.time() < end:
+        """Injects faults for the run's duration and, past it, until every kind has come once
+        (at most twice the duration more; the check then names the kinds that never came). A
+        kind that does not apply now (no holder to hit) waits for the next turn."""
+        end, cap = time.time() + self.a.duration, time.time() + 3 * self.a.duration
+        order, missing, kind = fault_rounds(faults, rng), set(faults), None
+        while time.time() < cap and (time.time() < end or missing):
+            kind = kind or next(order)
             time.sleep(rng.uniform(0.5, 2.0))
             h, t0 = self.holder(), now()
-            kind = self.inject(rng.choice(kinds), h, rng)
-            if kind:
-                say(f"nemesis: {kind} (holder {h})")
-                target = h if faults is HOLDER_FAULTS else None
-                with self.lock:
-                    self.faults[kind] = self.faults.get(kind, 0) + 1
-                    self.fault_log.write(json.dumps({"kind": kind, "target": target, "t0": t0, "t1": now()}) + "\n")
+            done = self.inject(kind, h, rng)
+            if not done:
+                continue
+            missing.discard(kind)
+            kind = None
+            say(f"nemesis: {done} (holder {h})")
+            target = h if faults is HOLDER_FAULTS else None
+            with self.lock:
+                self.faults[done] = self.faults.get(done, 0) + 1
+                self.fault_log.write(json.dumps({"kind": done, "target": target, "t0": t0, "t1": now()}) + "\n")
 
     def inject(self, kind, h, r):
         """Injects one fault and returns its name; None when it does not apply now (no holder
@@ -458,8 +471,12 @@ class Run:
             way = r.choice(["both", "in", "out"])
             kind += "_" + way
             self.part.cut(way)
+            took = self.part.drops()
             time.sleep(r.uniform(2.0, 5.0))
             self.part.heal()
+            if not took:
+                say(f"nemesis: {kind} let a connection through")
+                return kind + "_failed"
         return kind
 
     # run -------------------------------------------------------------------------------
@@ -517,13 +534,23 @@ class Run:
         self.note(self.final(f"{LEASES}/{LEASE}"))
         shutil.copy(self.a.audit_log, os.path.join(self.out, "audit.log"))
         run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced, "lease": LEASE,
-               "faults": self.faults, "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
+               "faults": self.faults, "fault_kinds": sorted([*HOLDER_FAULTS, *CLUSTER_FAULTS]),
+               "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
                "fast_clock": check.FAST_CLOCK,
                "min_stale": self.a.min_stale}
         for name, value in (("run.json", run), ("watch-points.json", self.points), ("final-objects.json", objects)):
             json.dump(value, open(os.path.join(self.out, name), "w"))
         self.fault_log.close()
         return check.recheck(self.out)
+
+
+def fault_rounds(faults, rng):
+    """Fault kinds without end: rounds in which each kind comes as often as its weight, in an
+    order `rng` chooses."""
+    while True:
+        kinds = [k for k, w in faults.items() for _ in range(w)]
+        rng.shuffle(kinds)
+        yield from kinds
 
 
 def faketime_lib():

@@ -27,7 +27,7 @@ def op(worker, item, token, t_send, verdict, obj="history-0", rv=None, **kw):
 POINTS = [point(0, 1, "a"), point(100, 2, "b"), point(200, 3, "a")]
 
 
-def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None):
+def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None, kinds=None):
     with tempfile.TemporaryDirectory() as out:
         with open(os.path.join(out, "ops-x.jsonl"), "w") as f:
             for o in ops:
@@ -36,7 +36,8 @@ def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None):
             for e in events:
                 f.write(json.dumps(e) + "\n")
         loaded, failed_reads = check.load_ops(out)
-        run = {"out": out, **({"faults": faults} if faults is not None else {})}
+        run = {"out": out, **({"faults": faults} if faults is not None else {}),
+               **({"fault_kinds": kinds} if kinds is not None else {})}
         s = check.check(run, loaded, objects, points, min_stale, failed_reads)
     return s, {k for k, v in s["checks"].items() if v != "pass"}
 
@@ -192,6 +193,29 @@ class CheckerTables(unittest.TestCase):
         self.assertEqual(failed, {"every fault injected"})
         _, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, faults={"kill": 2})
         self.assertEqual(failed, set())
+
+    def test_a_fault_kind_that_never_came_fails(self):
+        ops, objects = [op("a", "i1", 1, 50, "accepted", rv=10)], {"history-0": shard("i1")}
+        kinds = ["kill", "partition", "hang"]
+        s, failed = run_check(ops, objects, min_stale=0, faults={"kill": 1, "partition_in": 2}, kinds=kinds)
+        self.assertEqual(failed, {"every fault injected"})
+        self.assertIn("hang never injected", s["checks"]["every fault injected"])
+        # A partition that failed to take is no partition.
+        s, failed = run_check(ops, objects, min_stale=0, faults={"kill": 1, "hang": 1, "partition_out_failed": 1},
+                              kinds=kinds)
+        self.assertIn("partition never injected", s["checks"]["every fault injected"])
+        _, failed = run_check(ops, objects, min_stale=0, faults={"kill": 1, "hang": 1, "partition_both": 1},
+                              kinds=kinds)
+        self.assertEqual(failed, set())
+
+    def test_the_seed_chooses_only_the_order_of_the_faults(self):
+        import random
+        import run
+        faults = {"a": 2, "b": 1, "c": 3}
+        for seed in range(20):
+            rounds = run.fault_rounds(faults, random.Random(seed))
+            first = [next(rounds) for _ in range(6)]
+            self.assertEqual(sorted(first), ["a", "a", "b", "c", "c", "c"], seed)
 
     def test_no_accepted_write_fails(self):
         _, failed = run_check([op("a", "i1", 1, 50, "refused")], {"history-0": shard()}, min_stale=0)
