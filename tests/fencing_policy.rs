@@ -580,6 +580,8 @@ async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
     // The policy without its binding (which the chart renders beside it) checks nothing: the
     // controller refuses that too.
     let mut fence = common::policy::PolicyFence::start(&client, &dir, &ns.name).await;
+    // The indexer that start() runs checks the binding as it starts: stop it first.
+    fence.stop_controller();
     let (ok, _, err) = kubectl(&["delete", "validatingadmissionpolicybinding", &fence.name]);
     assert!(ok, "{err}");
     let c = fence.start_controller();

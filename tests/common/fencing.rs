@@ -246,7 +246,10 @@ impl Protected {
         guard: Guard,
         proxy: Option<ApiProxy>,
     ) -> Protected {
-        let a = held_lease(&client, &ns.name, "inv", "pod-a").await;
+        // Policy mode runs a controller (it keeps the lease index), which would revoke a lease
+        // nobody renews once its duration ran out: an hour outlasts any story.
+        let seconds = matches!(guard, Guard::Policy(_)).then_some(3600);
+        let a = held_lease_for(&client, &ns.name, "inv", "pod-a", seconds).await;
         let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
         let p = Protected {
             client,

@@ -158,21 +158,25 @@ impl PolicyFence {
     }
 
     /// Stops the controller (SIGTERM: it hands its election lease back) and waits for it to
-    /// exit.
+    /// exit: with 0, or killed by the signal when it came before the controller had set up its
+    /// handling (then it had not campaigned yet either).
     pub fn stop_controller(&mut self) {
         if let Some(mut c) = self.controller.take() {
             c.signal(nix::sys::signal::Signal::SIGTERM);
             let code = c.wait_exit(Duration::from_secs(60));
-            assert_eq!(code, Some(0), "the controller's exit: {}", c.log_tail());
+            assert!(
+                matches!(code, Some(0) | Some(-1)),
+                "the controller's exit: {code:?}: {}",
+                c.log_tail()
+            );
         }
     }
 }
 
 impl Drop for PolicyFence {
     fn drop(&mut self) {
-        // Bindings first: a binding whose policy is gone makes the API server refuse what it
-        // matches (the index guard: every namespace write of the cluster), while a policy
-        // without a binding does nothing.
+        // Bindings first, each policy after its binding is gone: the guard matches every
+        // namespace write of the cluster, so nothing of a test's policies should linger.
         for kind in [
             "validatingadmissionpolicybindings",
             "validatingadmissionpolicy",
