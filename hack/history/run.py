@@ -403,7 +403,9 @@ class Run:
         end, cap = time.time() + self.a.duration, time.time() + 3 * self.a.duration
         order, missing, kind = fault_rounds(faults, rng), set(faults), None
         while time.time() < cap and (time.time() < end or missing):
-            kind = kind or next(order)
+            if kind is None:
+                # Past the duration, only the kinds that have not come yet.
+                kind = next(order) if time.time() < end else rng.choice(sorted(missing))
             time.sleep(rng.uniform(0.5, 2.0))
             h, t0 = self.holder(), now()
             done = self.inject(kind, h, rng)
