@@ -33,7 +33,8 @@ async fn policy_mode_is_one_release_per_cluster() {
     let guard = serde_json::json!({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
         "metadata": {"name": other, "labels": {"app.kubernetes.io/part-of": "fencedlease",
-                                               "app.kubernetes.io/instance": "other"}},
+                                               "app.kubernetes.io/instance": "other",
+                                               "fencedlease.io/index-guard": "true"}},
         "spec": {"matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
             "resources": ["namespaces"], "operations": ["UPDATE"]}]},
             "validations": [{"expression": "true"}]}});

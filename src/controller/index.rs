@@ -156,7 +156,10 @@ pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
             ev = events.next() => match ev {
                 Some(Ok(e)) => ix.seen(&e),
                 Some(Err(e)) => warn!(error = %e, "watching FencedLeases for the lease index failed; retrying"),
-                None => return,
+                None => {
+                    tracing::error!("the FencedLease watch of the lease index ended: no index is written until the next term");
+                    return;
+                }
             },
             () = sleep_until(at), if at.is_some() => ix.flush().await,
         }
