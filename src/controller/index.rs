@@ -36,8 +36,16 @@ pub(crate) const INDEX_MAX_BYTES: usize = 192 * 1024;
 /// write per namespace, not one each.
 const INDEX_DEBOUNCE: Duration = Duration::from_millis(50);
 
-/// How long a failed write or read waits before the next try.
+/// How long a failed write or read waits before the next try; a namespace whose writes keep
+/// failing waits twice as long each time, up to [`INDEX_RETRY_MAX`].
 const INDEX_RETRY: Duration = Duration::from_secs(1);
+const INDEX_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// How long a namespace waits after its `failures`-th failed write in a row (1, 2, 4 ... 60 s).
+fn retry_after(failures: u32) -> Duration {
+    let doubled = INDEX_RETRY.saturating_mul(1 << failures.saturating_sub(1).min(6));
+    doubled.min(INDEX_RETRY_MAX)
+}
 
 /// The index of `names` (in name order): each between slashes, as many as fit in
 /// [`INDEX_MAX_BYTES`]; and how many were left out.
@@ -149,6 +157,8 @@ pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
         dirty: BTreeSet::new(),
         sweep: false,
         flush_at: None,
+        failing: BTreeMap::new(),
+        full: BTreeMap::new(),
     };
     loop {
         let at = ix.flush_at;
@@ -184,6 +194,10 @@ struct Indexer {
     /// Whether to look for namespaces whose index lists leases this term has not seen.
     sweep: bool,
     flush_at: Option<Instant>,
+    /// Namespaces whose last writes failed: how many in a row, and when to try again.
+    failing: BTreeMap<String, (u32, Instant)>,
+    /// How many names each full namespace's index left out, when last said.
+    full: BTreeMap<String, usize>,
 }
 
 impl Indexer {
@@ -196,7 +210,9 @@ impl Indexer {
                 self.sweep = true;
             }
         }
-        self.flush_at.get_or_insert(Instant::now() + INDEX_DEBOUNCE);
+        // Within the debounce, or sooner if a retry was due sooner; never pushed back.
+        let soon = Instant::now() + INDEX_DEBOUNCE;
+        self.flush_at = Some(self.flush_at.map_or(soon, |at| at.min(soon)));
     }
 
     /// Writes every dirty namespace's index that changed; what fails is tried again later.
@@ -213,15 +229,44 @@ impl Indexer {
                 }
             }
         }
+        let now = Instant::now();
         for ns in std::mem::take(&mut self.dirty) {
-            if let Err(e) = self.write(&ns).await {
-                warn!(namespace = %ns, error = %e, "could not write the namespace's lease index: writes naming its new leases are refused until it is written; retrying (the controller needs patch on namespaces)");
-                self.dirty.insert(ns);
+            if self.failing.get(&ns).is_some_and(|(_, at)| *at > now) {
+                self.dirty.insert(ns); // not yet: it failed a moment ago
+                continue;
+            }
+            match self.write(&ns).await {
+                Ok(()) => {
+                    self.failing.remove(&ns);
+                }
+                Err(e) => self.failed(ns, &e),
             }
         }
-        if self.sweep || !self.dirty.is_empty() {
-            self.flush_at = Some(Instant::now() + INDEX_RETRY);
+        // The next try: the soonest a dirty namespace may be tried (a failing one at its time).
+        let soonest = Instant::now() + INDEX_RETRY;
+        let next = self.dirty.iter().map(|ns| {
+            self.failing
+                .get(ns)
+                .map_or(soonest, |(_, at)| (*at).max(soonest))
+        });
+        self.flush_at = if self.sweep {
+            Some(soonest)
+        } else {
+            next.min()
+        };
+    }
+
+    /// Counts a failed write of namespace `ns`'s index, says so at the 1st, 2nd, 4th ... in a
+    /// row, and keeps it dirty for its next try.
+    fn failed(&mut self, ns: String, e: &kube::Error) {
+        let count = self.failing.get(&ns).map_or(1, |(n, _)| n + 1);
+        let wait = retry_after(count);
+        if count.is_power_of_two() {
+            warn!(namespace = %ns, error = %e, failures = count, retry_in_s = wait.as_secs(), "could not write the namespace's lease index: writes naming its new leases are refused until it is written (the controller needs get and patch on namespaces; a namespace's annotations may hold 256 KiB in all)");
         }
+        self.failing
+            .insert(ns.clone(), (count, Instant::now() + wait));
+        self.dirty.insert(ns);
     }
 
     /// The namespaces (of this controller's scope) that carry an index.
@@ -247,8 +292,10 @@ impl Indexer {
     /// what is there then, rather than be overwritten or overwrite it.
     async fn write(&mut self, ns: &str) -> Result<(), kube::Error> {
         let (value, left_out) = self.leases.index_of(ns);
-        if left_out > 0 {
+        if left_out > 0 && self.full.insert(ns.to_string(), left_out) != Some(left_out) {
             warn!(namespace = %ns, left_out, max_bytes = INDEX_MAX_BYTES, "the namespace's lease index is full: writes naming the leases left out (last in name order) are refused; spread the leases over more namespaces");
+        } else if left_out == 0 {
+            self.full.remove(ns);
         }
         let api: Api<Namespace> = Api::all(self.client.clone());
         let Some(now) = api.get_metadata_opt(ns).await? else {
@@ -339,6 +386,14 @@ mod tests {
         let first = long.iter().next().expect("first");
         let last = long.iter().last().expect("last");
         assert!(lists(&value, first) && !lists(&value, last));
+    }
+
+    #[test]
+    fn a_failing_namespace_waits_longer_each_time_up_to_a_minute() {
+        let secs = |n| retry_after(n).as_secs();
+        let waits: Vec<u64> = (1..=9).map(secs).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!((secs(0), secs(u32::MAX)), (1, 60));
     }
 
     #[test]
