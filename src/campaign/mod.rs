@@ -425,11 +425,12 @@ impl Campaign {
     /// command, else when to look again (None: only on news).
     async fn act(&mut self, state: &LeaderState) -> anyhow::Result<Option<Option<Instant>>> {
         let now = clock::now();
-        self.note_following(state);
         let renewed = self.seen.update(state, now);
         let running = self.running.as_ref().map(|r| &r.token);
-        match plan(now, state, self.seen.since, running, self.grace) {
-            Plan::Idle => Ok(Some(None)),
+        // A lost tenure's command is stopped (and logged) before the candidate says whom it
+        // follows: the log's order is the order of what happened.
+        let outcome = match plan(now, state, self.seen.since, running, self.grace) {
+            Plan::Idle => Some(None),
             Plan::Run { term_at } => {
                 if let (
                     true,
@@ -444,17 +445,19 @@ impl Campaign {
                             "valid_until_ns": unix_ns(wall_of(*valid_until))}),
                     );
                 }
-                Ok(Some(Some(term_at)))
+                Some(Some(term_at))
             }
             Plan::Start(token) => {
                 self.start(state, &token)?;
-                Ok(None)
+                None
             }
             Plan::Stop { kill_at, reason } => {
                 self.stop(kill_at, reason).await;
-                Ok(None)
+                None
             }
-        }
+        };
+        self.note_following(state);
+        Ok(outcome)
     }
 
     /// Logs `following` when this candidate first sees, or sees a change of, who holds the
