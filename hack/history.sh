@@ -8,7 +8,8 @@
 #
 #   hack/history.sh --duration S --seed N [--unfenced] [--summary FILE] [--min-stale N]
 #
-# --unfenced runs the same workload with the webhook out of the path: the checker must fail.
+# --unfenced runs the same workload with the webhook out of the path, and at the end takes one
+# acknowledged write out of its object: the checker must fail on both.
 # Exit status 0 only when every check passed. Output: $FL_HISTORY_OUT (default
 # /tmp/fencedlease-history/<seed>[-unfenced]): summary.json, the apps' ops-*.jsonl, the
 # candidates' *.events, lease-points.json (the oracle), final-objects.json, process logs;
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
     --seed) seed=$2; shift 2 ;;
-    --unfenced) unfenced=(--unfenced); shift ;;
+    --unfenced) unfenced=(--unfenced --lose-a-write); shift ;;
     --summary) summary=(--summary "$(realpath -m "$2")"); shift 2 ;;
     --min-stale) min_stale=$2; shift 2 ;;
     *) die "$usage" ;;

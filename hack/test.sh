@@ -129,7 +129,8 @@ fi
 # The history test runs on a local Kubernetes of its own (its nemesis restarts the API server
 # and etcd), after the shared cluster's tests: first its checker's tables, then a fenced run
 # that must pass with at least 100 stale writes attempted, then the same run unfenced, which
-# must fail on stale writes accepted (a checker that cannot fail proves nothing).
+# must fail on stale writes accepted and on the acknowledged write it loses on purpose (a
+# checker that cannot fail proves nothing).
 if [ $# -gt 0 ]; then
   log "all tests named '$*' passed; the history test was not run (it runs when no name is given)"
   exit 0
@@ -149,10 +150,12 @@ rm -f "$unfenced_summary"
 if FL_K8S_VERSION=$hist_k8s hack/history.sh --duration "$hist_s" --seed "$seed" --unfenced --summary "$unfenced_summary"; then
   die "the unfenced history run passed its checks: the checker cannot see stale writes (output in /tmp/fencedlease-history/$seed-unfenced)"
 fi
-python3 - "$unfenced_summary" <<'PY' || die "the unfenced history run failed, but not on stale writes accepted (see /tmp/fencedlease-history/$seed-unfenced)"
+python3 - "$unfenced_summary" <<'PY' || die "the unfenced history run failed, but not on both stale writes accepted and the write lost on purpose (see /tmp/fencedlease-history/$seed-unfenced)"
 import json, sys
 s = json.load(open(sys.argv[1]))
 assert s["stale_accepted"] > 0 and s["checks"]["no stale write accepted"].startswith("FAIL"), s["checks"]
-print(f"history: unfenced, the checker failed as it must: {s['stale_accepted']} stale writes accepted")
+assert s["acknowledged_lost"] >= 1 and s["checks"]["no acknowledged write lost"].startswith("FAIL"), s["checks"]
+print(f"history: unfenced, the checker failed as it must: {s['stale_accepted']} stale writes accepted, "
+      f"{s['acknowledged_lost']} acknowledged write lost on purpose")
 PY
 log "all tests passed"

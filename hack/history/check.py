@@ -239,7 +239,7 @@ class FakeClock:
 
 
 def beliefs(out, fast_clock=None):
-    """Leadership claims [start, end, identity, fast_clock] from the candidates' event logs,
+    """Leadership claims [start, end, (events file, identity), fast_clock] from the candidates' event logs,
     in real time (the fast-clock candidate's converted, when its clock is known)."""
     claims, owners = [], {}
     for f in sorted(os.listdir(out)):
@@ -266,7 +266,7 @@ def beliefs(out, fast_clock=None):
                 continue
             if e["event"] == "leading":
                 owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
-                cur = [t, until, e["identity"], fast]
+                cur = [t, until, (f, e["identity"]), fast]
                 claims.append(cur)
             elif e["event"] == "renewed" and cur and t < cur[1]:
                 cur[1] = max(cur[1], until)
@@ -278,7 +278,8 @@ def beliefs(out, fast_clock=None):
 
 def overlap(claims):
     """(seconds two real-clock candidates both believed they led, seconds the fast-clock one
-    believed it led while a real-clock one did too)."""
+    believed it led while a real-clock one did too). Two processes of one identity (a reused
+    identity) are two candidates: each claim is its events file's and identity's."""
     real = fast = 0
     for i, a in enumerate(claims):
         for b in claims[i + 1:]:
@@ -352,6 +353,8 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
     real, fast = overlap(claims)
     twice = [f"token {t} of lease {u} was handed to two leaders: {sorted(w)}" for (u, t), w in owners.items() if len(w) > 1]
     faults = run.get("faults", {})
+    per_writer = by_worker(judged, stored, stale)
+    writers, floor = run.get("stale_writers", []), run.get("min_stale_per_writer", 0)
     checks = {
         "no stale write accepted": [f"{o['worker']} wrote {o['item']} with token {o['token']}, below generation "
                                     f"{stale.reached_before(o['uid'], o['t_send'])} reached before it was sent"
@@ -363,6 +366,14 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
         "no overlap of belief on real clocks": [f"{real:.3f} s"] if real > 0 else [],
         f"at least {min_stale} stale writes judged by the fence": [] if len(judged) >= min_stale else
         [f"only {len(judged)}: the run could not have caught a fencing bug"],
+        f"every writer made at least {floor} stale writes": [
+            f"{w}: {per_writer.get(w, {}).get('attempted', 0)}" for w in writers
+            if per_writer.get(w, {}).get("attempted", 0) < floor],
+        "no writer made more than half of the stale writes": [
+            f"{w}: {c['attempted']} of {len(judged)}" for w, c in per_writer.items()
+            if writers and 2 * c["attempted"] > len(judged)],
+        "every candidate led": [f"{c} never led" for c in run.get("candidates", [])
+                                if not any(p["holder"] == c for p in points)],
         "every fault injected": [k for k in faults if k.endswith("_failed")] + [
             f"{k} never injected" for k in run.get("fault_kinds", [])
             if not any(f == k or f.startswith(k + "_") and not f.endswith("_failed") for f in faults)],
@@ -375,8 +386,8 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
         "stale_sent": len(sent), "stale_attempted": len(judged),
         "stale_refused": sum(1 for o in judged if o["verdict"] == "refused"),
         "stale_accepted": len(stored),
-        "stale_within_1s": sum(w["within_1s"] for w in by_worker(judged, stored, stale).values()),
-        "stale_by_worker": by_worker(judged, stored, stale),
+        "stale_within_1s": sum(w["within_1s"] for w in per_writer.values()),
+        "stale_by_worker": per_writer,
         "acknowledged_lost": lost,
         "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": round(fast, 3),
         "verdicts": verdict_counts(ops),

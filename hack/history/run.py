@@ -3,12 +3,13 @@
 injects faults; the checker (check.py) then judges the history against the fencing rules.
 
   run.py --bin B --kubeconfig K --audit-log L --duration S --seed N --out DIR
-         [--unfenced] [--min-stale N]
+         [--unfenced [--lose-a-write]] [--min-stale N]
 
 Expects a local Kubernetes of its own, with auditing of FencedLease writes (hack/history.sh
 brings one up), because the nemesis restarts its API server and etcd. Writes DIR/summary.json
 and exits 1 unless every check passed. --unfenced leaves the webhook out of the path: the
-same workload, and the checker must then fail."""
+same workload, and the checker must then fail; --lose-a-write also takes an acknowledged write
+out of its object at the end, and the checker must see that too."""
 import argparse
 import glob
 import json
@@ -40,10 +41,25 @@ SELECT = f"fieldSelector=metadata.name%3D{LEASE}"
 # Who leads (the lease's holderIdentity) -> its processes: the whole "pod", and the candidate
 # alone. The sidecar-backed apps are other containers of the sidecar's pod.
 SIDECAR_POD = ["sidecar", "s-http", "s-file", "s-deaf"]
+# Every identity that campaigns; the checker fails a run in which one of them never led.
+CANDIDATES = ["w-sidecar", "w0", "w1", "w2", "w-skew", "w-hang"]
+# The apps that must each make at least MIN_STALE_PER_WRITER stale writes the fence judges, and
+# none of them more than half of all. Not s-http: it asks the sidecar before each write (and
+# the sidecar answers nothing while frozen), so it goes stale only when one of its own stalls
+# straddles a takeover; it is counted, not required.
+STALE_WRITERS = ["w0", "w1", "w2", "w-skew", "w-hang", "s-file", "s-deaf"]
+MIN_STALE_PER_WRITER = 3
 # The nemesis: two threads, so that faults also overlap (a pause during an API server restart,
 # a partition while the webhook restarts). Each plays its faults in rounds where every kind comes
 # as often as its weight; the seed chooses only the order, so every run injects every kind.
-HOLDER_FAULTS = {"pause_short": 2, "pause_long": 2, "pause_candidate_only": 3, "kill": 2}
+# pause_candidate_only: a candidate is handed the lease (each in turn) and frozen while its
+# apps write on, stale once another takes over: every kind of writer makes stale writes.
+# handover: the lease goes to the candidate that led least (every candidate leads, so every
+# one's apps are made stale); hand_back: to the holder before the current one, which leads again
+# under a new token; identity_reused: a second process of the paused holder's identity takes
+# the lease, and the first one resumes.
+HOLDER_FAULTS = {"pause_short": 2, "pause_long": 2, "pause_candidate_only": 3, "kill": 2,
+                 "handover": 2, "hand_back": 1, "identity_reused": 1}
 CLUSTER_FAULTS = {"webhook": 1, "controller": 1, "apiserver": 1, "etcd": 1, "hang": 1, "slow": 1, "partition": 2}
 
 
@@ -152,11 +168,13 @@ class Run:
         self.out = a.out
         os.makedirs(self.out, exist_ok=True)
         self.procs = {}  # name -> (Popen, argv, env)
+        self.campaigns = {}  # candidate name -> campaign()'s arguments, to start a second process
         self.points = []  # the lease as the watch saw it (check.lease_point)
         self.rv = None
         self.watch_relists = 0
         self.watch_errors = {}  # message -> count
         self.faults = {}
+        self.stale_made = {}  # candidate -> stale writes its app sent while pause_candidate_only froze it
         self.fault_log = open(os.path.join(self.out, "faults.jsonl"), "a", buffering=1)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -226,14 +244,18 @@ class Run:
                 "--shard-seconds", str(SHARD_SECONDS), "--shards", str(self.shards), *extra]
         return argv + (["--server", server] if server else [])
 
-    def campaign(self, name, style, kubeconfig=None, server=None, prefix=(), extra_env=None):
+    def campaign(self, name, style, kubeconfig=None, server=None, prefix=(), extra_env=None, identity=None):
+        """Starts the candidate `name` (its identity unless `identity` says otherwise) with an app."""
+        if identity is None:  # a second process of an identity is no candidate of its own
+            self.campaigns[name] = dict(style=style, kubeconfig=kubeconfig, server=server, prefix=prefix,
+                                        extra_env=extra_env)
         env = dict(self.env, KUBECONFIG=kubeconfig or self.front_kc, **(extra_env or {}))
         # The app's clock stays real when the candidate's is faked: its times are compared
         # with the lease's history.
         worker = ["env", "-u", "LD_PRELOAD", "-u", "FAKETIME"] + self.app(name, "env", style, server=server,
                                                                           kubeconfig=kubeconfig)
         argv = list(prefix) + [self.a.bin, "campaign", "--lease", LEASE, "--namespace", NS,
-                               "--identity", name, "--lease-duration", str(LEASE_SECONDS),
+                               "--identity", identity or name, "--lease-duration", str(LEASE_SECONDS),
                                "--grace-seconds", "1", "--events-file",
                                os.path.join(self.out, f"{name}.events"), "--"] + worker
         self.start(name, argv, env)
@@ -387,6 +409,139 @@ class Run:
     def holder(self):
         return self.points[-1]["holder"] if self.points else None
 
+    def generation(self):
+        return self.points[-1]["gen"] if self.points else 0
+
+    def holders(self):
+        """The holders in the order the watch saw them, a holder that followed itself once."""
+        out = []
+        for p in list(self.points):
+            if p["holder"] and (not out or out[-1] != p["holder"]):
+                out.append(p["holder"])
+        return out
+
+    def unled(self):
+        """The candidates the watch has not yet seen hold the lease."""
+        return sorted(set(CANDIDATES) - set(self.holders()))
+
+    def unfrozen(self):
+        """The candidates whose apps pause_candidate_only has not yet made send enough stale
+        writes (a partition of the same moment can keep an app from writing at all)."""
+        return [c for c in CANDIDATES if self.stale_made.get(c, 0) < MIN_STALE_PER_WRITER]
+
+    def stale_sent(self, app, g):
+        """How many writes `app` sent with a token at most `g` once the watch saw a generation
+        above `g` (the fence judges them; the checker counts them again from the oracle)."""
+        moved = min((p["t"] for p in list(self.points) if p["gen"] > g), default=None)
+        n = 0
+        try:
+            with open(os.path.join(self.out, f"ops-{app}.jsonl")) as f:
+                for line in f:
+                    try:
+                        o = json.loads(line)
+                    except ValueError:
+                        continue
+                    n += (moved is not None and o.get("t_send", 0) >= moved and o["token"] <= g
+                          and o["verdict"] in ("refused", "accepted", "unknown"))
+        except OSError:
+            pass
+        return n
+
+    def holds(self, who, above, timeout):
+        """Whether the watch sees `who` hold the lease with a generation above `above` within
+        `timeout` seconds."""
+        end = time.time() + timeout
+        while time.time() < end:
+            if any(p["holder"] == who and p["gen"] > above for p in list(self.points)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def prefer(self, who):
+        """Asks for a handover to `who` (spec.preferredHolder); whether `who` took the lease.
+        When it did not (it was cut off, another won the race), the wish is withdrawn."""
+        g0 = self.generation()
+        try:
+            code, out = self.kube.fetch("PATCH", f"{LEASES}/{LEASE}", {"spec": {"preferredHolder": who}},
+                                        content_type="application/merge-patch+json")
+        except OSError as e:  # the other nemesis may be restarting the API server
+            code, out = None, e
+        if code != 200:
+            say(f"nemesis: preferredHolder {who} not set ({code} {str(out)[:200]}); trying again later")
+            return False
+        if self.holds(who, g0, 2 * LEASE_SECONDS + 3):
+            return True
+        try:
+            self.kube.fetch("PATCH", f"{LEASES}/{LEASE}", {"spec": {"preferredHolder": None}},
+                            content_type="application/merge-patch+json")
+        except OSError:
+            pass  # the acquiring write clears it too; a wish left standing only hands over later
+        say(f"nemesis: {who} did not take the lease handed to it; trying again later")
+        return False
+
+    def reuse_identity(self, h, r):
+        """A second process of the holder's identity (the first one paused whole, its app
+        included) takes the lease; it is killed, and the first resumes, its app a second before
+        its candidate, so that the app writes on with the old tenure's token.
+        The other candidates' own processes pause meanwhile (their apps run on), so that the
+        second process, not a faster clock, wins the expired lease. Whether it took: the
+        second process said it led, under a generation above the first's."""
+        twin, g0 = f"{h}-twin", self.generation()
+        others = [c for c in self.campaigns if c != h] + ["sidecar"]
+        if not (self.send(h, signal.SIGSTOP) and self.stopped(h)):
+            self.send(h, signal.SIGCONT)
+            return False
+        for c in others:
+            os.kill(self.procs[c][0].pid, signal.SIGSTOP)
+        try:
+            self.campaign(twin, identity=h, **self.campaigns[h])
+            took = self.holds(h, g0, 3 * LEASE_SECONDS + 10) and self.said_leading(twin)
+            if took:
+                time.sleep(r.uniform(0.5, 2.0))  # its app writes under the new tenure
+        finally:
+            self.send(twin, signal.SIGKILL)
+            self.procs.pop(twin)[0].wait()
+            for c in others:
+                os.kill(self.procs[c][0].pid, signal.SIGCONT)
+            pid = self.procs[h][0].pid
+            for pgid in tree_groups(pid):
+                if pgid != pid:  # the candidate is its group's leader (a session of its own)
+                    try:
+                        os.killpg(pgid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(1.0)
+            self.send(h, signal.SIGCONT)
+        return took
+
+    def app_writes(self, app, since, timeout):
+        """Whether the app `app` has a write accepted that it sent after `since` (ns), within
+        `timeout` seconds."""
+        path, end = os.path.join(self.out, f"ops-{app}.jsonl"), time.time() + timeout
+        while time.time() < end:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(max(0, os.path.getsize(path) - 65536))
+                    tail = f.read().decode(errors="replace").splitlines()[1:]
+            except OSError:
+                tail = []
+            for line in reversed(tail):
+                try:
+                    o = json.loads(line)
+                except ValueError:
+                    continue
+                if o.get("verdict") == "accepted" and o.get("t_send", 0) > since:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def said_leading(self, name):
+        try:
+            with open(os.path.join(self.out, f"{name}.events")) as f:
+                return any('"leading"' in line for line in f)
+        except OSError:
+            return False
+
     # nemesis ---------------------------------------------------------------------------
     def nemesis(self, faults, rng):
         try:
@@ -402,34 +557,66 @@ class Run:
         kind that does not apply now (no holder to hit) waits for the next turn."""
         end, cap = time.time() + self.a.duration, time.time() + 3 * self.a.duration
         order, missing, kind = fault_rounds(faults, rng), set(faults), None
-        while time.time() < cap and (time.time() < end or missing):
+        # The holder's nemesis also goes on until every candidate has led and has been frozen
+        # while its apps wrote on.
+        more = (lambda: self.unled() or self.unfrozen()) if faults is HOLDER_FAULTS else (lambda: [])
+        while time.time() < cap and (time.time() < end or missing or more()):
             if kind is None:
-                # Past the duration, only the kinds that have not come yet.
-                kind = next(order) if time.time() < end else rng.choice(sorted(missing))
+                # Past the duration, only the kinds that have not come yet, then what `more` needs.
+                kind = (next(order) if time.time() < end else rng.choice(sorted(missing)) if missing
+                        else "handover" if self.unled() else "pause_candidate_only")
             time.sleep(rng.uniform(0.5, 2.0))
             h, t0 = self.holder(), now()
-            done = self.inject(kind, h, rng)
+            aim = {}
+            done = self.inject(kind, h, rng, aim)
             if not done:
                 continue
             missing.discard(kind)
             kind = None
+            h, t0 = aim.get("holder", h), aim.get("t0", t0)
             say(f"nemesis: {done} (holder {h})")
             target = h if faults is HOLDER_FAULTS else None
             with self.lock:
                 self.faults[done] = self.faults.get(done, 0) + 1
                 self.fault_log.write(json.dumps({"kind": done, "target": target, "t0": t0, "t1": now()}) + "\n")
 
-    def inject(self, kind, h, r):
+    def inject(self, kind, h, r, aim):
         """Injects one fault and returns its name; None when it does not apply now (no holder
-        to hit)."""
+        to hit). A fault that first moves the lease to its target says in `aim` whom it hit
+        and when ("holder", "t0")."""
         pod = SIDECAR_POD if h == "w-sidecar" else [h] if h in self.procs else None
-        if kind in ("pause_short", "pause_long", "pause_candidate_only", "kill") and not pod:
+        if kind in ("pause_short", "pause_long", "pause_candidate_only", "kill", "handover", "hand_back") and not pod:
             return None
+        if kind == "handover":
+            # To the candidate that led least (ties: the seed's choice).
+            led = self.holders()
+            rest = [c for c in CANDIDATES if c != h]
+            fewest = min(led.count(c) for c in rest)
+            return kind if self.prefer(r.choice([c for c in rest if led.count(c) == fewest])) else None
+        if kind == "hand_back":
+            before = [c for c in self.holders() if c != h and c in CANDIDATES]
+            return kind if before and self.prefer(before[-1]) else None
+        if kind == "identity_reused":
+            # Campaign candidates only: the sidecar's apps take no part in its identity's story.
+            return kind if h in self.campaigns and self.reuse_identity(h, r) else None
         # Each fault is seen to take effect, or the run records it as failed: a pause stops the
         # process (state T), a restart brings a new process that runs.
         if kind == "pause_candidate_only":
             # The candidate freezes but its apps do not: they keep writing with a token that
-            # goes stale once another candidate takes over.
+            # goes stale once another candidate takes over. First the lease goes to the
+            # candidate whose app made the fewest such writes, so that every writer goes stale.
+            fewest = min(self.stale_made.get(c, 0) for c in CANDIDATES)
+            target = r.choice([c for c in CANDIDATES if self.stale_made.get(c, 0) == fewest])
+            if target != h and not self.prefer(target):
+                return None
+            # Its app must be writing under this tenure, or the freeze leaves nothing stale.
+            app = "s-file" if target == "w-sidecar" else target
+            if not self.app_writes(app, now(), 5):
+                say(f"nemesis: {target}'s app did not write while it held the lease; trying again later")
+                return None
+            aim.update(holder=target, t0=now())
+            pod = SIDECAR_POD if target == "w-sidecar" else [target]
+            g = self.generation()
             pid = self.procs[pod[0]][0].pid
             os.kill(pid, signal.SIGSTOP)
             took = self.stopped(pod[0])
@@ -437,6 +624,8 @@ class Run:
             os.kill(pid, signal.SIGCONT)
             if not took:
                 return kind + "_failed"
+            time.sleep(0.5)  # the app's last writes of the freeze come back
+            self.stale_made[target] = self.stale_made.get(target, 0) + self.stale_sent(app, g)
         elif kind in ("pause_short", "pause_long"):
             reached = [self.send(name, signal.SIGSTOP) for name in pod]
             took = all(reached) and all(self.stopped(name) for name in pod)
@@ -498,6 +687,8 @@ class Run:
             say("nemesis done; letting the workers settle")
             time.sleep(4)
             self.wind_down()
+            if self.a.lose_a_write:
+                self.lose_a_write()
             return self.judge()
         finally:
             # Only processes not yet reaped: a reaped one's pid may belong to anyone by now.
@@ -519,6 +710,27 @@ class Run:
                 self.send(name, signal.SIGKILL)
         self.stop.set()
 
+    def lose_a_write(self):
+        """The end-to-end negative control of "no acknowledged write lost": takes one
+        acknowledged item out of its shard, the counter down with it, as a store that dropped
+        a write would (unfenced runs only: nothing checks the harness's own write)."""
+        ops, _ = check.load_ops(self.out)
+        acked = {o["item"] for o in ops if o["verdict"] == "accepted" and o.get("style") == "rmw"}
+        for name in [f"history-{i}" for i in range(self.shards)]:
+            cm = self.final(f"{CMS}/{name}")
+            items = [i for i in (cm.get("data") or {}).get("items", "").split(",") if i]
+            gone = next((i for i in reversed(items) if i in acked), None)
+            if gone:
+                items.remove(gone)
+                cm["data"] = {"counter": str(len(items)), "items": ",".join(items)}
+                code, out = self.kube.fetch("PUT", f"{CMS}/{name}", cm)
+                if code != 200:
+                    raise SystemExit(f"history: could not lose {gone} on purpose: {code} {str(out)[:200]}")
+                say(f"lost on purpose (the checker must see it): {gone} from {name}")
+                self.lost_on_purpose = gone
+                return
+        raise SystemExit("history: no acknowledged write to lose on purpose: the control proves nothing")
+
     def final(self, path):
         """GET with retries: the nemesis may have just restarted the API server."""
         for _ in range(120):
@@ -537,6 +749,9 @@ class Run:
         shutil.copy(self.a.audit_log, os.path.join(self.out, "audit.log"))
         run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced, "lease": LEASE,
                "faults": self.faults, "fault_kinds": sorted([*HOLDER_FAULTS, *CLUSTER_FAULTS]),
+               "candidates": CANDIDATES, "stale_writers": STALE_WRITERS,
+               "min_stale_per_writer": MIN_STALE_PER_WRITER,
+               "lost_on_purpose": getattr(self, "lost_on_purpose", None),
                "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
                "fast_clock": check.FAST_CLOCK,
                "min_stale": self.a.min_stale}
@@ -591,10 +806,14 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--unfenced", action="store_true")
+    ap.add_argument("--lose-a-write", action="store_true",
+                    help="with --unfenced: take an acknowledged write out at the end (the checker must fail)")
     ap.add_argument("--min-stale", type=int, default=100)
     ap.add_argument("--tag", default="0", help="names this run's network namespace (two runs at once)")
     ap.add_argument("--summary")
     a = ap.parse_args()
+    if a.lose_a_write and not a.unfenced:
+        ap.error("--lose-a-write needs --unfenced (the fence refuses the harness's tokenless write)")
     s = Run(a).run()
     text = json.dumps(s, indent=2)
     print(text)

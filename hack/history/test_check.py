@@ -27,17 +27,22 @@ def op(worker, item, token, t_send, verdict, obj="history-0", rv=None, **kw):
 POINTS = [point(0, 1, "a"), point(100, 2, "b"), point(200, 3, "a")]
 
 
-def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None, kinds=None):
+def run_check(ops, objects, points=POINTS, min_stale=1, events=(), faults=None, kinds=None, candidates=None,
+              writers=None):
+    """`events`: one candidate's events, or {events file name: events} for several processes."""
     with tempfile.TemporaryDirectory() as out:
         with open(os.path.join(out, "ops-x.jsonl"), "w") as f:
             for o in ops:
                 f.write(json.dumps(o) + "\n")
-        with open(os.path.join(out, "w.events"), "w") as f:
-            for e in events:
-                f.write(json.dumps(e) + "\n")
+        for name, evs in (events if isinstance(events, dict) else {"w.events": events}).items():
+            with open(os.path.join(out, name), "w") as f:
+                for e in evs:
+                    f.write(json.dumps(e) + "\n")
         loaded, failed_reads = check.load_ops(out)
         run = {"out": out, **({"faults": faults} if faults is not None else {}),
-               **({"fault_kinds": kinds} if kinds is not None else {})}
+               **({"fault_kinds": kinds} if kinds is not None else {}),
+               **({"candidates": candidates} if candidates is not None else {}),
+               **({"stale_writers": writers, "min_stale_per_writer": 2} if writers is not None else {})}
         s = check.check(run, loaded, objects, points, min_stale, failed_reads)
     return s, {k for k, v in s["checks"].items() if v != "pass"}
 
@@ -116,6 +121,44 @@ class CheckerTables(unittest.TestCase):
         s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, events=events)
         self.assertEqual(failed, {"no overlap of belief on real clocks"})
         self.assertGreater(s["overlap_seconds"], 0)
+
+    def test_two_processes_of_one_identity_that_overlap_fail(self):
+        # A reused identity: the second process of `a` led while the first still believed it did.
+        first = {"event": "leading", "identity": "a", "lease_uid": UID, "token": 1, "t_ns": 0, "valid_until_ns": 10**10}
+        second = {"event": "leading", "identity": "a", "lease_uid": UID, "token": 2, "t_ns": 5 * 10**9,
+                  "valid_until_ns": 15 * 10**9}
+        ops, objects = [op("a", "i1", 1, 50, "accepted", rv=10)], {"history-0": shard("i1")}
+        _, failed = run_check(ops, objects, min_stale=0, events={"a.events": [first], "a-twin.events": [second]})
+        self.assertEqual(failed, {"no overlap of belief on real clocks"})
+        # The first one stopped before the second led: no overlap.
+        stopped = {"event": "stopped", "identity": "a", "t_ns": 4 * 10**9}
+        _, failed = run_check(ops, objects, min_stale=0,
+                              events={"a.events": [first, stopped], "a-twin.events": [second]})
+        self.assertEqual(failed, set())
+
+    def test_a_candidate_that_never_led_fails(self):
+        ops, objects = [op("a", "i1", 1, 50, "accepted", rv=10)], {"history-0": shard("i1")}
+        s, failed = run_check(ops, objects, min_stale=0, candidates=["a", "b", "c"])
+        self.assertEqual(failed, {"every candidate led"})
+        self.assertEqual(s["checks"]["every candidate led"], "FAIL: c never led")
+        _, failed = run_check(ops, objects, min_stale=0, candidates=["a", "b"])
+        self.assertEqual(failed, set())
+
+    def test_every_writer_must_go_stale_and_none_may_dominate(self):
+        objects = {"history-0": shard("i1")}
+        ok = [op("a", "i1", 1, 50, "accepted", rv=10)]
+        stale = lambda w, n: [op(w, f"{w}{i}", 1, 150, "refused") for i in range(n)]  # noqa: E731
+        # b made too few, and a more than half (4 of 6).
+        s, failed = run_check(ok + stale("a", 4) + stale("b", 1) + stale("c", 1), objects, min_stale=0,
+                              writers=["a", "b"])
+        self.assertEqual(failed, {"every writer made at least 2 stale writes",
+                                  "no writer made more than half of the stale writes"})
+        self.assertEqual(s["checks"]["every writer made at least 2 stale writes"], "FAIL: b: 1")
+        self.assertIn("a: 4 of 6", s["checks"]["no writer made more than half of the stale writes"])
+        # Half exactly is not more than half; c is counted but not required.
+        _, failed = run_check(ok + stale("a", 3) + stale("b", 2) + stale("c", 1), objects, min_stale=0,
+                              writers=["a", "b"])
+        self.assertEqual(failed, set())
 
     def test_the_fast_clock_is_read_back_in_real_time(self):
         clock = check.FakeClock(offset_s=3600, rate=1.5)
