@@ -149,17 +149,7 @@ pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
     // already deleted, and put it back in the index.
     let events = watcher::watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
-    let mut ix = Indexer {
-        client,
-        namespace,
-        leases: LeaseNames::default(),
-        writes: 0,
-        dirty: BTreeSet::new(),
-        sweep: false,
-        flush_at: None,
-        failing: BTreeMap::new(),
-        full: BTreeMap::new(),
-    };
+    let mut ix = Indexer::new(client, namespace);
     loop {
         let at = ix.flush_at;
         tokio::select! {
@@ -201,6 +191,20 @@ struct Indexer {
 }
 
 impl Indexer {
+    fn new(client: Client, namespace: Option<String>) -> Indexer {
+        Indexer {
+            client,
+            namespace,
+            leases: LeaseNames::default(),
+            writes: 0,
+            dirty: BTreeSet::new(),
+            sweep: false,
+            flush_at: None,
+            failing: BTreeMap::new(),
+            full: BTreeMap::new(),
+        }
+    }
+
     fn seen(&mut self, event: &Event<PartialObjectMeta<FencedLease>>) {
         match self.leases.apply(event) {
             Changed::Nothing => return,
@@ -394,6 +398,61 @@ mod tests {
         let waits: Vec<u64> = (1..=9).map(secs).collect();
         assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
         assert_eq!((secs(0), secs(u32::MAX)), (1, 60));
+    }
+
+    /// Namespace `shop`'s metadata at resourceVersion `rv`, its index `index`.
+    fn shop(rv: &str, index: &str) -> serde_json::Value {
+        serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "shop", "resourceVersion": rv,
+                "annotations": {LEASE_INDEX_ANNOTATION: index}}})
+    }
+
+    /// Checks that an index patch is on resourceVersion `rv` and writes `index`.
+    fn on_version(
+        rv: &'static str,
+        index: &'static str,
+    ) -> impl Fn(&serde_json::Value) -> Result<(), String> + Send + 'static {
+        move |b| {
+            let m = &b["metadata"];
+            match (
+                m["resourceVersion"].as_str(),
+                m["annotations"][LEASE_INDEX_ANNOTATION].as_str(),
+            ) {
+                (Some(r), Some(i)) if r == rv && i == index => Ok(()),
+                other => Err(format!(
+                    "expected version {rv} and index {index}, got {other:?}"
+                )),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_index_write_goes_on_the_version_it_read_and_a_conflict_reads_again() {
+        use super::super::fixtures::{Script, Step};
+        use hyper::Method;
+        const NS: &str = "/api/v1/namespaces/shop";
+        let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+        let script = Script::new(vec![
+            Step::new(Method::GET, NS, 200, shop("7", "/old/")),
+            // Someone wrote in between (an earlier term's write in flight, say): refused.
+            Step::new(Method::PATCH, NS, 409, conflict).body(on_version("7", "/db/")),
+            // Tried again: read again, and write on the version read then.
+            Step::new(Method::GET, NS, 200, shop("9", "/old/other/")),
+            Step::new(Method::PATCH, NS, 200, shop("10", "/db/")).body(on_version("9", "/db/")),
+            // An index that already says what it should is not written.
+            Step::new(Method::GET, NS, 200, shop("10", "/db/")),
+        ]);
+        let mut ix = Indexer::new(script.client(), None);
+        ix.seen(&Event::Apply(meta("shop", "db")));
+        let e = ix.write("shop").await.expect_err("the conflict");
+        assert!(matches!(&e, kube::Error::Api(s) if s.code == 409), "{e:?}");
+        ix.failed("shop".into(), &e);
+        assert!(ix.dirty.contains("shop") && ix.failing["shop"].0 == 1);
+        ix.write("shop").await.expect("the second try");
+        ix.write("shop").await.expect("nothing to write");
+        assert_eq!(ix.writes, 1);
+        script.finish();
     }
 
     #[test]
