@@ -6,7 +6,7 @@
 use fencedlease_testkit as common;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -164,12 +164,14 @@ async fn hole_2_a_recreated_lease_refuses_the_old_incarnations_token_while_the_c
 const WRITERS: u64 = 16;
 
 /// One writer of the concurrent test: writes object `w{i}` with the token in `tokens`, out of
-/// step with the others, until `stop`; returns when each write began, its token and outcome.
+/// step with the others, until `stop`, counting each write it finished in `done`; returns when
+/// each write began, its token and outcome.
 async fn writer(
     cms: Api<ConfigMap>,
     i: u64,
     tokens: watch::Receiver<Held>,
     stop: Arc<AtomicBool>,
+    done: Arc<AtomicU64>,
 ) -> Vec<(Instant, i64, Result<(), (u16, String)>)> {
     let mut seen = Vec::new();
     for n in 0u64.. {
@@ -183,15 +185,31 @@ async fn writer(
         let patch = serde_json::json!({"data": {"n": n.to_string()}});
         let r = fenced_merge(&cms, &format!("w{i}"), &h, patch).await;
         seen.push((began, h.token, r.map(|_| ())));
+        done.fetch_add(1, Ordering::Relaxed);
     }
     seen
+}
+
+/// Waits until the writers have finished `more` writes past those finished now.
+async fn more_writes(done: &Arc<AtomicU64>, more: u64) {
+    let goal = done.load(Ordering::Relaxed) + more;
+    eventually(Duration::from_secs(120), "the writers to write on", || {
+        let done = done.clone();
+        async move {
+            let d = done.load(Ordering::Relaxed);
+            (d >= goal)
+                .then_some(())
+                .ok_or(format!("{d} of {goal} writes"))
+        }
+    })
+    .await
 }
 
 /// Concurrent writes share fresh reads (src/webhook/coalesce.rs), and sharing never decides a
 /// write on a read older than the write. The watch is frozen, so the cache keeps showing A as
 /// the holder and every write goes to a fresh read, and reads are slow (100 ms a chunk), so a
 /// read is in flight when the lease moves. 16 writers keep writing with the holder's token,
-/// and for a second more with it after the lease moves on (four times): no write begun after
+/// and for 32 writes more with it after the lease moves on (four times): no write begun after
 /// its token's holder was replaced is allowed (a write that joined a read sent before the move
 /// would be).
 #[tokio::test]
@@ -210,16 +228,23 @@ async fn concurrent_writes_share_reads_but_none_begun_after_the_lease_moved_is_a
         .expect("A writes with the current token");
     let (tokens, rx) = watch::channel(s.a.clone());
     let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
     let writers: Vec<_> = (0..WRITERS)
-        .map(|i| tokio::spawn(writer(s.cms.clone(), i, rx.clone(), stop.clone())))
+        .map(|i| {
+            let w = writer(s.cms.clone(), i, rx.clone(), stop.clone(), done.clone());
+            tokio::spawn(w)
+        })
         .collect();
     let mut stale_since = HashMap::new();
     for holder in ["pod-b", "pod-c", "pod-d", "pod-e"] {
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        // 32 writes with the holder's token, then the lease moves; then 32 more with the same
+        // token before the writers learn of the new one: at most 16 were in flight at the move,
+        // so at least 16 began after it.
+        more_writes(&done, 2 * WRITERS).await;
         let old = tokens.borrow().token;
         let new = move_lease(&s.client, &s.ns.name, "inv", holder).await;
         stale_since.insert(old, Instant::now());
-        tokio::time::sleep(Duration::from_millis(800)).await;
+        more_writes(&done, 2 * WRITERS).await;
         tokens.send_replace(new);
     }
     stop.store(true, Ordering::Relaxed);
