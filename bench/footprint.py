@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 import lib
-from lib import Kube, log, now_ns, stats, step
+from lib import Kube, log, now_ns, step
+from percentiles import paired_figures
 
 def start_sidecar(i: int, ns: str, lease: str, lease_s: int, workdir: Path, proxy_port: int | None,
                   binary: Path = lib.FENCEDLEASE, name: str = "sidecar",
@@ -132,7 +133,11 @@ def token_of(port: int) -> tuple[int, str]:
     return body["token"], body["leaseUID"]
 
 
-def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, writes: int, warmup: int) -> dict:
+def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, writes: int, warmup: int,
+                  out: Path) -> dict:
+    """Protected writes in pairs, one straight to the API server and one through the proxy; the
+    pairs where both succeeded are kept (out/samples/footprint-proxy.json.gz) and give every
+    figure, the per-pair difference included."""
     path = f"/api/v1/namespaces/{ns}/configmaps/{cm}"
     # The API server may have closed the keep-alive connection during the idle window: a read
     # (which reconnects) first, so that no timed write pays for a new connection.
@@ -146,6 +151,7 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
     lat: dict[str, list[float]] = {"direct": [], "proxy": []}
     codes: dict[str, dict[int, int]] = {"direct": {}, "proxy": {}}
     for i in range(warmup + writes):
+        pair = {}
         for way in ("direct", "proxy"):
             data = {"data": {"n": str(i), "way": way}}
             if way == "direct":
@@ -162,13 +168,22 @@ def measure_proxy(kube: Kube, ns: str, cm: str, api_port: int, proxy_port: int, 
             if i >= warmup:
                 codes[way][code] = codes[way].get(code, 0) + 1
                 if code == 200:
-                    lat[way].append(ns_ / 1e6)
+                    pair[way] = ns_ / 1e6
+        if len(pair) == 2:
+            for way, ms in pair.items():
+                lat[way].append(ms)
     proxy.close()
-    s = {w: stats(v) for w, v in lat.items()}
-    added = {q: (s["proxy"][q] - s["direct"][q]) for q in ("p50", "p90", "p99") if s["proxy"].get("n") and s["direct"].get("n")}
-    ci = lib.bootstrap_ci(lat["proxy"], lat["direct"], 99) if lat["proxy"] and lat["direct"] else None
-    return {"writes_per_way": writes, "latency_ms": s, "added_ms": added, "added_p99_ci95_ms": ci,
-            "codes": {w: {str(k): v for k, v in c.items()} for w, c in codes.items()}}
+    res = proxy_figures(lat)
+    res.update(writes_per_way=writes, codes={w: {str(k): v for k, v in c.items()} for w, c in codes.items()},
+               raw_samples=lib.keep_samples(out, "samples/footprint-proxy.json.gz", lat))
+    return res
+
+
+def proxy_figures(lat: dict[str, list[float]]) -> dict:
+    """The proxy's figures from the paired samples {"direct": [...], "proxy": [...]}."""
+    f = paired_figures(lat["proxy"], lat["direct"])
+    f["latency_ms"] = {"direct": f["latency_ms"]["b"], "proxy": f["latency_ms"]["a"]}
+    return f
 
 
 def setup(kube: Kube, ns: str, lease: str, cm: str, lease_s: int, workdir: Path) -> lib.Proc:
@@ -258,7 +273,7 @@ def main() -> None:
                 f"(peak {r['peak_rss_mib']:.1f})")
     lead = leader_of(sidecars)
     step(f"footprint: {args.writes} + {args.writes_warmup} writes each way through {lead[0].name}")
-    proxy = measure_proxy(kube, ns, cm, lead[1], lead[2], args.writes, args.writes_warmup)
+    proxy = measure_proxy(kube, ns, cm, lead[1], lead[2], args.writes, args.writes_warmup, args.out)
     log(f"footprint: proxy adds p50 {proxy['added_ms'].get('p50', float('nan')):.2f} ms, "
         f"p99 {proxy['added_ms'].get('p99', float('nan')):.2f} ms per write (codes {proxy['codes']})")
     lib.stop_all([p for p, _, _ in sidecars])

@@ -54,6 +54,21 @@ def bootstrap_ci(a: list[float], b: list[float], p: float, n: int = BOOTSTRAP_RE
     return [pct(diffs, 2.5), pct(diffs, 97.5)]
 
 
+def paired_figures(a: list[float], b: list[float]) -> dict[str, Any]:
+    """What `a` adds over `b`, measured in pairs (a[i] and b[i] back to back): each side's
+    figures, the difference of their percentiles with the p99's interval, and the percentiles
+    of the per-pair difference (the added time itself) with its p99's interval."""
+    qs = ("p50", "p90", "p99")
+    sa, sb = stats(a), stats(b)
+    diff = [x - y for x, y in zip(a, b)]
+    sd = stats(diff)
+    return {"latency_ms": {"a": sa, "b": sb},
+            "added_ms": {q: sa[q] - sb[q] for q in qs} if a and b else {},
+            "added_p99_ci95_ms": bootstrap_ci(a, b, 99) if a and b else None,
+            "paired_added_ms": {q: sd[q] for q in qs} if diff else {},
+            "paired_added_p99_ci95_ms": pct_ci(diff, 99)}
+
+
 def hist_upper_ms(before: dict, after: dict, q: float) -> float | None:
     """From two readings of a cumulative Prometheus histogram ({le: count}; keys as numbers or as
     the strings JSON made of them): the upper bound, in ms, of the bucket holding quantile q of

@@ -8,7 +8,7 @@ import gzip
 import json
 from pathlib import Path
 
-from percentiles import bootstrap_ci, hist_upper_ms, pct, pct_ci, stats
+from percentiles import bootstrap_ci, hist_upper_ms, paired_figures, pct, pct_ci, stats
 from plots import ecdf_svg
 
 OURS, PEER = "fencedlease", "client-go"
@@ -778,6 +778,10 @@ def main() -> None:
         if sizes:
             md.append("\nBinaries: " + ", ".join(f"{k.replace('_', ' ')} {v['bytes'] / 2**20:.1f} MiB"
                                                 for k, v in sizes.items()) + ".")
+        kept = load_samples(run, px)
+        if kept:  # every figure from the kept pairs (runs kept before them keep their figures)
+            f = paired_figures(kept["proxy"], kept["direct"])
+            px.update(f, latency_ms={"direct": f["latency_ms"]["b"], "proxy": f["latency_ms"]["a"]})
         lat, add = px["latency_ms"], px["added_ms"]
         md.append("\n| protected write (merge patch, through the webhook) | n | p50 ms | p90 ms | p99 ms | max ms |"
                   "\n|---|---|---|---|---|---|")
@@ -788,12 +792,19 @@ def main() -> None:
                 md.append(f"| {label} | {v['n']} | {v['p50']:.2f} | {v['p90']:.2f} | {v['p99']:.2f} | {v['max']:.2f} |")
         if add:
             ci = px.get("added_p99_ci95_ms")
-            md.append(f"| added by the proxy | | {add['p50']:.2f} | {add['p90']:.2f} | {add['p99']:.2f}"
-                      + (f" (95 % {ci_cell(ci, 2)})" if ci else "") + " | |")
+            md.append(f"| added by the proxy (difference of the percentiles) | | {add['p50']:.2f} | {add['p90']:.2f} | "
+                      f"{add['p99']:.2f}" + (f" (95 % {ci_cell(ci, 2)})" if ci else "") + " | |")
+        pa = px.get("paired_added_ms")
+        if pa:
+            ci = px.get("paired_added_p99_ci95_ms")
+            md.append(f"| added by the proxy (percentiles of the per-pair difference) | {lat['proxy']['n']} | "
+                      f"{pa['p50']:.2f} | {pa['p90']:.2f} | {pa['p99']:.2f}" + (f" (95 % {ci_cell(ci, 2)})" if ci else "")
+                      + " | |")
         summary["footprint"] = {"sidecars": rows, "sidecar_build": build_rows, "sidecar_build_kept": kept_rows,
                                 "binary_mib": {k: r3(v["bytes"] / 2**20) for k, v in sizes.items()}, "proxy_latency_ms": {w: {q: r3(v.get(q)) for q in ("n", "p50", "p99")}
                                                                         for w, v in lat.items()},
-                                "proxy_added_ms": {q: r3(v) for q, v in add.items()}}
+                                "proxy_added_ms": {q: r3(v) for q, v in add.items()},
+                                "proxy_paired_added_ms": {q: r3(v) for q, v in (pa or {}).items()}}
         for image, judged in (("the operator's image (default build)", rows),
                               ("the injected image (the sidecar's build)", build_rows)):
             if judged:
