@@ -154,7 +154,8 @@ python3 - "$unfenced_summary" <<'PY' || die "the unfenced history run failed, bu
 import json, sys
 s = json.load(open(sys.argv[1]))
 assert s["stale_accepted"] > 0 and s["checks"]["no stale write accepted"].startswith("FAIL"), s["checks"]
-assert s["acknowledged_lost"] >= 1 and s["checks"]["no acknowledged write lost"].startswith("FAIL"), s["checks"]
+lost = s["checks"]["no acknowledged write lost"]
+assert s["acknowledged_lost"] >= 1 and lost.startswith("FAIL") and s["lost_on_purpose"] in lost, (s["lost_on_purpose"], lost)
 print(f"history: unfenced, the checker failed as it must: {s['stale_accepted']} stale writes accepted, "
       f"{s['acknowledged_lost']} acknowledged write lost on purpose")
 PY

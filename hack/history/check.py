@@ -262,10 +262,11 @@ def beliefs(out, fast_clock=None):
                 t, until = clock.real(t), clock.real(until)
             if t is None or (fast and not clock):
                 if e["event"] == "leading":
-                    owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
+                    owners.setdefault((e["lease_uid"], e["token"]), set()).add(f"{e['identity']} ({f})")
                 continue
             if e["event"] == "leading":
-                owners.setdefault((e["lease_uid"], e["token"]), set()).add(e["identity"])
+                # Keyed by process (its events file) too: two processes of one identity are two.
+                owners.setdefault((e["lease_uid"], e["token"]), set()).add(f"{e['identity']} ({f})")
                 cur = [t, until, (f, e["identity"]), fast]
                 claims.append(cur)
             elif e["event"] == "renewed" and cur and t < cur[1]:
@@ -388,7 +389,7 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
         "stale_accepted": len(stored),
         "stale_within_1s": sum(w["within_1s"] for w in per_writer.values()),
         "stale_by_worker": per_writer,
-        "acknowledged_lost": lost,
+        "acknowledged_lost": lost, "lost_on_purpose": run.get("lost_on_purpose"),
         "overlap_seconds": round(real, 3), "overlap_seconds_fast_clock": round(fast, 3),
         "verdicts": verdict_counts(ops),
         "oracle": {"points": len(points), "audit": sum(p["src"] == "audit" for p in points),

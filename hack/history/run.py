@@ -12,6 +12,7 @@ same workload, and the checker must then fail; --lose-a-write also takes an ackn
 out of its object at the end, and the checker must see that too."""
 import argparse
 import glob
+import http.client
 import json
 import os
 import random
@@ -78,6 +79,14 @@ def proc_state(pid: int):
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def signal_pid(pid: int, sig) -> None:
+    """Signals one process; one that is gone (reaped, or dying) is no error."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def tree_groups(root: int) -> list[int]:
@@ -442,7 +451,7 @@ class Run:
                     except ValueError:
                         continue
                     n += (moved is not None and o.get("t_send", 0) >= moved and o["token"] <= g
-                          and o["verdict"] in ("refused", "accepted", "unknown"))
+                          and o["verdict"] in ("refused", "accepted"))
         except OSError:
             pass
         return n
@@ -464,7 +473,7 @@ class Run:
         try:
             code, out = self.kube.fetch("PATCH", f"{LEASES}/{LEASE}", {"spec": {"preferredHolder": who}},
                                         content_type="application/merge-patch+json")
-        except OSError as e:  # the other nemesis may be restarting the API server
+        except (OSError, http.client.HTTPException) as e:  # the other nemesis may be restarting the API server
             code, out = None, e
         if code != 200:
             say(f"nemesis: preferredHolder {who} not set ({code} {str(out)[:200]}); trying again later")
@@ -474,7 +483,7 @@ class Run:
         try:
             self.kube.fetch("PATCH", f"{LEASES}/{LEASE}", {"spec": {"preferredHolder": None}},
                             content_type="application/merge-patch+json")
-        except OSError:
+        except (OSError, http.client.HTTPException):
             pass  # the acquiring write clears it too; a wish left standing only hands over later
         say(f"nemesis: {who} did not take the lease handed to it; trying again later")
         return False
@@ -488,21 +497,25 @@ class Run:
         second process said it led, under a generation above the first's."""
         twin, g0 = f"{h}-twin", self.generation()
         others = [c for c in self.campaigns if c != h] + ["sidecar"]
+        events = os.path.join(self.out, f"{twin}.events")
+        offset = os.path.getsize(events) if os.path.exists(events) else 0  # an earlier twin's lines
         if not (self.send(h, signal.SIGSTOP) and self.stopped(h)):
             self.send(h, signal.SIGCONT)
             return False
-        for c in others:
-            os.kill(self.procs[c][0].pid, signal.SIGSTOP)
+        took = False
         try:
+            for c in others:
+                signal_pid(self.procs[c][0].pid, signal.SIGSTOP)
             self.campaign(twin, identity=h, **self.campaigns[h])
-            took = self.holds(h, g0, 3 * LEASE_SECONDS + 10) and self.said_leading(twin)
+            took = self.holds(h, g0, 3 * LEASE_SECONDS + 10) and self.led_since(events, offset, g0, 5)
             if took:
                 time.sleep(r.uniform(0.5, 2.0))  # its app writes under the new tenure
         finally:
-            self.send(twin, signal.SIGKILL)
-            self.procs.pop(twin)[0].wait()
+            if twin in self.procs:
+                self.send(twin, signal.SIGKILL)
+                self.procs.pop(twin)[0].wait()
             for c in others:
-                os.kill(self.procs[c][0].pid, signal.SIGCONT)
+                signal_pid(self.procs[c][0].pid, signal.SIGCONT)
             pid = self.procs[h][0].pid
             for pgid in tree_groups(pid):
                 if pgid != pid:  # the candidate is its group's leader (a session of its own)
@@ -535,12 +548,26 @@ class Run:
             time.sleep(0.05)
         return False
 
-    def said_leading(self, name):
-        try:
-            with open(os.path.join(self.out, f"{name}.events")) as f:
-                return any('"leading"' in line for line in f)
-        except OSError:
-            return False
+    def led_since(self, events, offset, above, timeout):
+        """Whether the events file `events` says, past byte `offset` and within `timeout`
+        seconds, that its process led with a token above `above`."""
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                with open(events, "rb") as f:
+                    f.seek(offset)
+                    lines = f.read().decode(errors="replace").splitlines()
+            except OSError:
+                lines = []
+            for line in lines:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("event") == "leading" and (e.get("token") or 0) > above:
+                    return True
+            time.sleep(0.05)
+        return False
 
     # nemesis ---------------------------------------------------------------------------
     def nemesis(self, faults, rng):
@@ -597,8 +624,15 @@ class Run:
             before = [c for c in self.holders() if c != h and c in CANDIDATES]
             return kind if before and self.prefer(before[-1]) else None
         if kind == "identity_reused":
-            # Campaign candidates only: the sidecar's apps take no part in its identity's story.
-            return kind if h in self.campaigns and self.reuse_identity(h, r) else None
+            # Campaign candidates only (the sidecar's apps take no part in its identity's story):
+            # the lease goes to one first when the sidecar holds it.
+            if h not in self.campaigns:
+                target = r.choice(sorted(self.campaigns))
+                if not self.prefer(target):
+                    return None
+                h = target
+            aim.update(holder=h, t0=now())
+            return kind if self.reuse_identity(h, r) else None
         # Each fault is seen to take effect, or the run records it as failed: a pause stops the
         # process (state T), a restart brings a new process that runs.
         if kind == "pause_candidate_only":

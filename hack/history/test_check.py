@@ -206,7 +206,13 @@ class CheckerTables(unittest.TestCase):
         ops = [op("a", "i1", 1, 50, "accepted", rv=10)]
         s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0, events=events)
         self.assertEqual(failed, {"no token handed to two leaders"})
-        self.assertIn("['a', 'b']", s["checks"]["no token handed to two leaders"])
+        self.assertIn("['a (w.events)', 'b (w.events)']", s["checks"]["no token handed to two leaders"])
+        # Two processes of one identity (a reused identity) given the same token: two leaders.
+        first, second = events[:2], [dict(events[2], identity="a")]
+        s, failed = run_check(ops, {"history-0": shard("i1")}, min_stale=0,
+                              events={"a.events": first, "a-twin.events": second})
+        self.assertEqual(failed, {"no token handed to two leaders"})
+        self.assertIn("['a (a-twin.events)', 'a (a.events)']", s["checks"]["no token handed to two leaders"])
 
     def test_a_generation_naming_two_holders_fails(self):
         points = POINTS + [point(110, 2, "c")]

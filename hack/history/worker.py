@@ -19,7 +19,7 @@ STYLE is how it writes:
 --deaf: an app that ignores the loss of leadership: when its source has no token any more,
 it goes on writing with the last one it had (re-reading the object first in rmw style: a
 fresh resourceVersion with a stale token). It writes with a kept token every --deaf-pace
-seconds (default 0.5), so that it does not drown the other writers' stale writes in the count.
+seconds (default 1.0), so that it does not drown the other writers' stale writes in the count.
 --gc-pause P: with probability P, the app stalls 0.5-3 s between taking its token (and reading
 the object) and sending its write, like a long garbage collection.
 
@@ -206,7 +206,7 @@ def main():
     ap.add_argument("--api-secret-file", help="with http:URL: the file with the pod's API secret")
     ap.add_argument("--style", choices=["rmw", "blind", "mixed"], required=True)
     ap.add_argument("--deaf", action="store_true")
-    ap.add_argument("--deaf-pace", type=float, default=0.5)
+    ap.add_argument("--deaf-pace", type=float, default=1.0)
     ap.add_argument("--gc-pause", type=float, default=0.0)
     ap.add_argument("--shard-start", type=float, required=True)
     ap.add_argument("--shard-seconds", type=float, required=True)
