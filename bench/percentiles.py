@@ -54,6 +54,16 @@ def bootstrap_ci(a: list[float], b: list[float], p: float, n: int = BOOTSTRAP_RE
     return [pct(diffs, 2.5), pct(diffs, 97.5)]
 
 
+def ratio_ci(a: list[float], b: list[float], p: float, n: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
+    """95 % percentile-bootstrap interval of pct(a, p) / pct(b, p), resampling each side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    rng = random.Random(BOOTSTRAP_SEED)
+    rs = sorted(pct(rng.choices(a, k=len(a)), p) / max(pct(rng.choices(b, k=len(b)), p), 1e-9)
+                for _ in range(n))
+    return [pct(rs, 2.5), pct(rs, 97.5)]
+
+
 def paired_figures(a: list[float], b: list[float]) -> dict[str, Any]:
     """What `a` adds over `b`, measured in pairs (a[i] and b[i] back to back): each side's
     figures, the difference of their percentiles with the p99's interval, and the percentiles

@@ -29,6 +29,16 @@ def release_of(run: dict) -> str:
     return v or "unknown"
 
 
+def raw_samples(doc) -> list[str]:
+    """Every `raw_samples` file a result names (relative to its run), at any depth."""
+    if isinstance(doc, dict):
+        own = [doc["raw_samples"]] if isinstance(doc.get("raw_samples"), str) else []
+        return own + [r for v in doc.values() for r in raw_samples(v)]
+    if isinstance(doc, list):
+        return [r for v in doc for r in raw_samples(v)]
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
@@ -67,6 +77,10 @@ def main() -> None:
             if not src.exists():
                 raise SystemExit(f"{src} is missing: {name} did not finish, the record is unchanged")
             shutil.copy(src, record / src.name)
+            for rel in raw_samples(json.loads(src.read_text())):
+                if (run / rel).exists():  # the per-request samples the figures are recomputed from
+                    (record / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(run / rel, record / rel)
         used.append(name)
 
     sources = json.loads(sources_path.read_text()) if sources_path.exists() else {"runs": {}}

@@ -29,7 +29,11 @@
 #   webhook-apiserver  a protected ConfigMap update through the API server, with vs without
 #   webhook-concurrent W writers at once through the API server (16 and 64; quick: 4 and 16),
 #                      allowed, plain and refused writes, the webhook registered by a Service
-#                      (HTTP/1.1 from the API server), one and two replicas
+#                      (HTTP/1.1 from the API server), one and two replicas; each size back to
+#                      back (saturation), then paced at half the rate it reached there, where the
+#                      allowed/plain p99 ratio is judged (issue 38)
+#   policy-concurrent  the same writers and pacing in a namespace the chart's fencing policy
+#                      judges (policy mode), no webhook: the policy's ratio beside the webhook's
 #   webhook-sharing    the same writers against one replica twice, its fresh reads shared by
 #                      concurrent writes (as it runs) and sent per write (--no-shared-reads)
 #   policy-apiserver   the same update three ways in one run: no fencing, the webhook, the policy
@@ -104,7 +108,8 @@ for a in "$@"; do
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
   failover-load-stop apiload webhook-server
-  webhook-apiserver webhook-concurrent webhook-sharing policy-apiserver policy-layout controller-scale footprint many-leases)
+  webhook-apiserver webhook-concurrent webhook-sharing policy-concurrent policy-apiserver policy-layout controller-scale
+  footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
 for n in "${NAMES[@]}"; do
   [[ " ${ALL[*]} " == *" $n "* ]] || die "unknown benchmark $n (one of: ${ALL[*]})"
@@ -283,7 +288,7 @@ if [ "$MODE" = full ]; then
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
-  WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate 150 --paced-writes 60 --lease-reads 2000)
+  WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate half --paced-writes 60 --lease-reads 2000)
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPL=(--per 100 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
@@ -299,7 +304,7 @@ else
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
-  WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate 100 --paced-writes 4 --lease-reads 100)
+  WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate half --paced-writes 4 --lease-reads 100)
   VAP=(--updates 30 --updates-warmup 5)
   VAPL=(--per 10 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
@@ -363,6 +368,8 @@ for n in "${NAMES[@]}"; do
     webhook-concurrent) bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --out "$OUT" ;;
     webhook-sharing) # webhook-concurrent's sizes, one replica (a later --replicas wins)
       bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --replicas 1 --reads shared per-request --name "$n" --out "$OUT" ;;
+    policy-concurrent) # webhook-concurrent's sizes and pacing, the policy judging
+      bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --fence policy --name "$n" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     policy-layout) bench "$n" python3 policy_bench.py layout "${VAPL[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     controller-scale) bench "$n" python3 controller_scale.py "${CTL[@]}" --out "$OUT" ;;

@@ -13,10 +13,17 @@ replica's port. With 2 replicas the calls are spread over two webhook processes.
 
 Reported per (replicas, writers): each kind's p50/p90/p99/p99.9, the added latency (protected
 minus plain, refused minus plain, difference of the percentiles) with a 95 % bootstrap interval
-of the added p99, every status code counted (an answer other than the expected one is a failed
+of the added p99, the ratio of the protected write's p99 to the plain write's (the same writers,
+in turn, so the same load) with its interval, every status code counted (an answer other than the expected one is a failed
 write, counted, never dropped), the API server's own timing of its calls to the webhook, and
 how the calls were spread over the replicas (each replica's own admission counter), and how
 long the webhook's fresh reads took (its own histogram, fencedlease_webhook_fresh_read_seconds).
+`--paced-rate half` paces the second run of each setting at half the rate its writers reached
+back to back (the saturating rate, measured just before): a load the API server carries with
+room to spare, neither one writer's nor saturation's, where the ratio targets are judged.
+`--fence policy` (the result policy-concurrent): the same writers in a namespace the chart's
+fencing policy judges (policy mode; its index written by the bench, as the controller would),
+no webhook: the policy's ratio beside the webhook's, in the same conditions.
 Before the writers, the lease's read alone on the idle API server (--lease-reads): as the
 webhook sends it (a quorum read) and from the API server's watch cache, for the floor of the
 read every allow waits for.
@@ -39,7 +46,9 @@ from pathlib import Path
 
 import lib
 from lib import BIN, Kube, log, stats, step
+from percentiles import ratio_ci
 from webhook_bench import apiserver_webhook_histogram, buckets, held_lease, hist_quantile, webhook_call_ms
+import policy_bench
 
 WRITERS = Path(os.environ.get("FL_BENCH_WRITERS", BIN / "apiserver_writers"))
 SERVICE = "fencedlease-bench-webhook"
@@ -203,6 +212,8 @@ def run_writers(args, kube: Kube, ns: str, writers: int, ann: dict, stale_ann: d
               for k in KINDS}
     res = {"replicas": len(mports), "writers": writers, "writes_each": writes, "rate": rate,
            "reads": reads,
+           "p99_ratio": s["protected"]["p99"] / s["plain"]["p99"] if s["plain"].get("p99") else None,
+           "p99_ratio_ci95": ratio_ci(ms["protected"], ms["plain"], 99),
            "wall_s": raw["wall_s"], "writes_per_s": 3 * writers * (writes + args.warmup) / raw["wall_s"],
            "ms": s, "added_ms": diff["protected"], "refused_added_ms": diff["stale"],
            "added_p99_ci95_ms": lib.bootstrap_ci(ms["protected"], ms["plain"], 99),
@@ -249,6 +260,34 @@ def lease_reads(kube: Kube, ns: str, lease: str, n: int) -> dict:
     return out
 
 
+def writer_runs(args, kube: Kube, ns: str, ann: dict, stale_ann: dict, work: Path, mports: list[int],
+                reads: str, label: str) -> list[dict]:
+    """Each number of writers back to back, then (with --paced-rate) paced."""
+    runs = []
+    for writers in args.writers:
+        for rate in [None] + ([args.paced_rate] if args.paced_rate else []):
+            if rate == "half":  # half the rate these writers reached back to back, just now
+                saturated = runs[-1]["writes_per_s"]
+                rate = round(saturated / 2, 1)
+            step(f"{label}, {writers} writers x {args.paced_writes if rate else args.writes} rounds of 3 writes "
+                 f"(+{args.warmup} warm-up), " + (f"paced at {rate:g} writes/s in all" if rate else "back to back"))
+            runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports, rate, reads))
+            if rate and args.paced_rate == "half":
+                runs[-1]["rate_basis"] = {"half_of_writes_per_s": saturated}
+    return runs
+
+
+def policy_setup(args, kube: Kube, ns: str, ann: dict, stale_ann: dict, work: Path) -> list[dict]:
+    """The chart's policies judge the namespace (no webhook): the same writers."""
+    name = policy_bench.install_policy(kube, "bench", ns, work / "policy")
+    try:
+        policy_bench.index(kube, ns, ["inventory", "moved"])
+        policy_bench.switch(kube, ns, "inventory", "policy")
+        return writer_runs(args, kube, ns, ann, stale_ann, work, [], "policy", "the fencing policy")
+    finally:
+        policy_bench.remove_policy(kube, name)
+
+
 def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: dict,
               work: Path, addr: str, reads: str) -> list[dict]:
     certs = work / "certs"
@@ -265,15 +304,8 @@ def one_setup(args, kube: Kube, ns: str, replicas: int, ann: dict, stale_ann: di
         name = register_by_service(kube, ns, addr, ports, bundle)
         try:
             lib.wait_webhook_effective(kube, ns)
-            runs = []
-            for writers in args.writers:
-                for rate in [None] + ([args.paced_rate] if args.paced_rate else []):
-                    step(f"webhook at concurrency: {replicas} replica(s), reads {reads}, {writers} writers x "
-                         f"{args.paced_writes if rate else args.writes} rounds of 3 writes (+{args.warmup} "
-                         f"warm-up), " + (f"paced at {rate:g} writes/s in all" if rate else "back to back"))
-                    runs.append(run_writers(args, kube, ns, writers, ann, stale_ann, work, mports, rate,
-                                            reads))
-            return runs
+            return writer_runs(args, kube, ns, ann, stale_ann, work, mports, reads,
+                               f"webhook at concurrency: {replicas} replica(s), reads {reads}")
         finally:
             unregister(kube, ns, name)
     finally:
@@ -286,8 +318,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--writes", type=int, default=300, help="measured rounds per writer")
     ap.add_argument("--warmup", type=int, default=10, help="warm-up rounds per writer")
-    ap.add_argument("--paced-rate", type=float,
-                    help="also a run with all writers together pacing to this many writes/s")
+    ap.add_argument("--paced-rate", type=lambda v: v if v == "half" else float(v),
+                    help="also a run with all writers together pacing to this many writes/s, or `half`: "
+                         "half the rate the same writers reached back to back")
     ap.add_argument("--paced-writes", type=int, default=100, help="measured rounds per writer when paced")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one writers' run may take")
     ap.add_argument("--reads", nargs="+", choices=("shared", "per-request"), default=["shared"],
@@ -298,6 +331,8 @@ def main() -> None:
                          "before the writers; 0: none")
     ap.add_argument("--name", default="webhook-concurrent",
                     help="the result's name (NAME.json in --out): webhook-sharing for the reads' A/B")
+    ap.add_argument("--fence", choices=("webhook", "policy"), default="webhook",
+                    help="what judges the writes: webhook replicas (--replicas), or the chart's fencing policy")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     kube = Kube()
@@ -320,13 +355,17 @@ def main() -> None:
         step(f"the lease's read alone: {args.lease_reads} GETs each, quorum and from the watch cache")
         reads_alone = lease_reads(kube, ns, "inventory", args.lease_reads)
     runs = []
-    for replicas in args.replicas:
+    if args.fence == "policy":
+        runs = policy_setup(args, kube, ns, ann, stale_ann, work / "policy")
+    for replicas in args.replicas if args.fence == "webhook" else ():
         for reads in args.reads:
             runs += one_setup(args, kube, ns, replicas, ann, stale_ann,
                               work / f"r{replicas}-{reads}", addr, reads)
     failed = sum(sum(r["failed"].values()) for r in runs)
     data = {"benchmark": args.name, "namespace": ns, "webhook_address": addr, "warmup": args.warmup,
-            "registration": "service (HTTP/1.1 from the API server), endpoints resolved by the API server",
+            "fence": args.fence,
+            "registration": "service (HTTP/1.1 from the API server), endpoints resolved by the API server"
+            if args.fence == "webhook" else "the chart's policies (policy mode), index written by the bench",
             "lease_read_alone_ms": reads_alone, "runs": runs, "failed_writes": failed, "wall_s": time.monotonic() - started}
     lib.write_result(args.out, args.name, data)
     if failed:
