@@ -217,7 +217,7 @@ def webhook_concurrent(run: Path, d: dict | None, md: list[str], summary: dict, 
                   f"{a['p50']:.2f} / {a['p99']:.2f} ({ci[0]:.2f}-{ci[1]:.2f}) | {ratio_cell(r)} | "
                   f"{r['refused_added_ms']['p99']:.2f} | "
                   f"{failed} | {', '.join(str(int(x)) for x in r['reviews_per_replica'])} | "
-                  f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} |")
+                  + (f"<= {call.get('p50') or 0:.2f} / <= {call.get('p99') or 0:.2f} |" if call.get("p50") else "- |"))
         rows.append({"replicas": r["replicas"], "writers": r["writers"], "rate": r.get("rate"), "failed": failed,
                      "half_saturation": bool(r.get("rate_basis")),
                      "added_ms": {q: r3(a[q]) for q in ("p50", "p99")},
