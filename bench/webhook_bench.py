@@ -148,7 +148,7 @@ def server(args, kube: Kube, work: Path) -> dict:
         for f in args.fractions for _ in range(args.repeat)]
     most: dict[str, float] = {}
     try:
-        for mode, share, conns, path in plan:
+        for i, (mode, share, conns, path) in enumerate(plan):
             rate = round(share * most[path]) if share else None
             body = bodies[path]
             step(f"webhook server, {path} path: {mode} loop" + (f" at {rate}/s" if rate else f", {conns} connections")
@@ -157,13 +157,18 @@ def server(args, kube: Kube, work: Path) -> dict:
             cpu0 = lib.cpu_seconds(wh.pid)
             argv = ["taskset", "-c", "1", str(LOADER), "--url", f"https://127.0.0.1:{port}/validate",
                     "--ca", str(ca), "--body", str(body), "--seconds", str(args.seconds),
-                    "--warmup", str(args.warmup), "--connections", str(conns), "--expect", path]
+                    "--warmup", str(args.warmup), "--connections", str(conns), "--expect", path,
+                    "--samples", str(work / f"samples-{i}.json")]
             if rate:
                 argv += ["--rate", str(rate)]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + args.warmup + 60)
             if r.returncode != 0:
                 raise RuntimeError(f"webhook_load failed: {r.stderr[-2000:]}")
             res = json.loads(r.stdout)
+            raw = json.loads((work / f"samples-{i}.json").read_text())
+            res["raw_samples"] = lib.keep_samples(
+                args.out, f"webhook-server-raw/{i:02d}-{path}-{mode}-{rate or 'most'}.json.gz",
+                {k.removesuffix("_ns"): [x / 1e6 for x in v] for k, v in raw.items()})
             cpu = lib.cpu_seconds(wh.pid) - cpu0
             after = lib.http_get(mport, "/metrics")
             hb, ha = histogram(before), histogram(after)

@@ -12,7 +12,9 @@
 //! - no `--rate`: closed loop. Each of `--connections` connections sends its next request as
 //!   soon as the previous answer arrived: the server's maximum throughput.
 //!
-//! Output: one JSON object on stdout (and in `--out F`).
+//! Output: one JSON object on stdout (and in `--out F`); with `--samples F`, every measured
+//! request's latency in F too (ns, from when it was due and from when it was sent), so that each
+//! figure can be recomputed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,11 +37,13 @@ struct Args {
     /// Whether the review must be allowed (`allowed`) or refused (`refused`).
     expect_allowed: bool,
     out: Option<String>,
+    samples: Option<String>,
 }
 
 const USAGE: &str =
     "usage: webhook_load --url https://127.0.0.1:PORT/validate --ca CA.pem --body REVIEW.json \
-[--seconds 10] [--warmup 2] [--rate R] [--connections 16] [--expect allowed|refused] [--out F.json]";
+[--seconds 10] [--warmup 2] [--rate R] [--connections 16] [--expect allowed|refused] [--out F.json] \
+[--samples F.json]";
 
 fn parse_args() -> Result<Option<Args>, String> {
     let raw: Vec<String> = std::env::args().skip(1).collect();
@@ -57,6 +61,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         connections: 16,
         expect_allowed: true,
         out: None,
+        samples: None,
     };
     let mut it = raw.into_iter();
     while let Some(flag) = it.next() {
@@ -81,6 +86,7 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--rate" => a.rate = Some(num(&v)?),
             "--connections" => a.connections = num(&v)? as usize,
             "--out" => a.out = Some(v),
+            "--samples" => a.samples = Some(v),
             "--expect" => {
                 a.expect_allowed = match v.as_str() {
                     "allowed" => true,
@@ -230,6 +236,10 @@ fn run(args: Args) -> Result<(), Error> {
     let first = measured.iter().map(|s| s.1).min().unwrap_or(0);
     let last = measured.iter().map(|s| s.2).max().unwrap_or(0);
     let span_s = (last.saturating_sub(first)) as f64 / 1e9;
+    if let Some(p) = &args.samples {
+        let raw = serde_json::json!({"from_due_ns": &from_due, "service_ns": &service});
+        std::fs::write(p, serde_json::to_vec(&raw)?)?;
+    }
     let out = serde_json::json!({
         "mode": if args.rate.is_some() { "open_loop" } else { "closed_loop" },
         "target_rps": args.rate,
