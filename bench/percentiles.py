@@ -68,6 +68,8 @@ def paired_figures(a: list[float], b: list[float]) -> dict[str, Any]:
     """What `a` adds over `b`, measured in pairs (a[i] and b[i] back to back): each side's
     figures, the difference of their percentiles with the p99's interval, and the percentiles
     of the per-pair difference (the added time itself) with its p99's interval."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples of unequal length: {len(a)} and {len(b)}")
     qs = ("p50", "p90", "p99")
     sa, sb = stats(a), stats(b)
     diff = [x - y for x, y in zip(a, b)]

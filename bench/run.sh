@@ -289,6 +289,7 @@ if [ "$MODE" = full ]; then
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
   WHC=(--writers 16 64 --replicas 1 2 --writes 300 --warmup 10 --paced-rate half --paced-writes 60 --lease-reads 2000)
+  WHS_PACE=150
   VAP=(--updates 2000 --updates-warmup 50 --repeat 3)
   VAPL=(--per 100 --updates 500 --updates-warmup 20 --max-seconds 90 --settle 30 --idle 30)
   CTL=(--n 1000 10000 --probes 5 --probe-lease 3 --idle-window 60)
@@ -305,6 +306,7 @@ else
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
   WHC=(--writers 4 16 --replicas 1 2 --writes 10 --warmup 2 --paced-rate half --paced-writes 4 --lease-reads 100)
+  WHS_PACE=100
   VAP=(--updates 30 --updates-warmup 5)
   VAPL=(--per 10 --updates 30 --updates-warmup 5 --settle 2 --idle 2)
   CTL=(--n 200 --probes 1 --probe-lease 2 --idle-window 3)
@@ -367,7 +369,10 @@ for n in "${NAMES[@]}"; do
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
     webhook-concurrent) bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --out "$OUT" ;;
     webhook-sharing) # webhook-concurrent's sizes, one replica (a later --replicas wins)
-      bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --replicas 1 --reads shared per-request --name "$n" --out "$OUT" ;;
+      # A fixed pace (a later --paced-rate wins): half of each mode's own saturation would pace
+      # the shared and the per-request reads at different rates.
+      bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --replicas 1 --reads shared per-request \
+        --paced-rate "$WHS_PACE" --name "$n" --out "$OUT" ;;
     policy-concurrent) # webhook-concurrent's sizes and pacing, the policy judging
       bench "$n" python3 webhook_concurrent.py "${WHC[@]}" --fence policy --name "$n" --out "$OUT" ;;
     policy-apiserver) bench "$n" python3 policy_bench.py apiserver "${VAP[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
