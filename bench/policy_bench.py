@@ -107,7 +107,7 @@ def policy_names(policy: str) -> list[str]:
 
 
 def index(kube: Kube, ns: str, names: list[str]) -> None:
-    """Writes namespace `ns`'s lease index as the controller does (src/controller/index.rs): every
+    """Writes namespace `ns`'s lease index as the controller does (src/controller/index/mod.rs): every
     lease name between slashes, in name order."""
     value = "/" + "".join(f"{n}/" for n in sorted(names))
     kube.request("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"annotations": {INDEX_KEY: value}}},

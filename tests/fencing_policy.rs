@@ -331,6 +331,90 @@ async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
     assert_refused("a write naming a missing lease", r, 403, "does not list");
 }
 
+/// A lease deleted while the controller is stopped stays fenced: the controller put its
+/// finalizer on the lease before it listed it, so the delete only marks the lease (and raises its
+/// generation: every token it handed out is stale) and the index keeps listing a lease that
+/// still judges. Neither its holder nor an unstamped write gets through. Once the controller is
+/// back, it drops the name from the index first and then lets the lease go; a write naming it
+/// is refused as unlisted.
+#[tokio::test]
+async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced() {
+    use common::fencing::protected_meta;
+    use fencedlease::api::LEASE_INDEX_FINALIZER;
+    let mut p = Protected::with_policy("vapdel").await;
+    let leases: Api<FencedLease> = Api::namespaced(p.client.clone(), &p.ns.name);
+    let guarded = leases.get("inv").await.expect("lease inv");
+    assert!(
+        guarded
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f == LEASE_INDEX_FINALIZER)),
+        "a listed lease carries the finalizer: {:?}",
+        guarded.metadata.finalizers
+    );
+    p.policy_mut().stop_controller();
+    leases
+        .delete("inv", &DeleteParams::default())
+        .await
+        .expect("delete lease inv");
+    // The API server's view of the lease follows it: wait until it judges the holder's stamp
+    // stale (a dry run), then write for real.
+    let cms = p.cms.clone();
+    let a = p.a.clone();
+    eventually(
+        Duration::from_secs(20),
+        "the policy to refuse the deleted lease's holder",
+        || async {
+            let probe = json!({"metadata": protected_meta("del-probe", "inv", &a)});
+            let probe: ConfigMap = serde_json::from_value(probe).ok()?;
+            let dry = kube::api::PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            cms.create(&dry, &probe).await.is_err().then_some(())
+        },
+    )
+    .await;
+    let r = fenced_merge(
+        &p.cms,
+        "inv",
+        &p.a,
+        json!({"data": {"by": "a after the delete"}}),
+    )
+    .await;
+    assert_refused(
+        "the deleted lease's holder",
+        r,
+        p.code(),
+        &format!("stale token {}", p.a.token),
+    );
+    let bare = json!({"metadata": {"name": "del-bare", "labels": {LEASE: "inv"}}});
+    let r = create::<ConfigMap>(&p.cms, bare).await;
+    assert_refused("an unstamped write", r, p.code(), "every write must carry");
+    let held = leases
+        .get("inv")
+        .await
+        .expect("the deleted lease stays while no controller runs");
+    assert!(held.metadata.deletion_timestamp.is_some());
+    // The controller back: the name leaves the index, then the lease goes.
+    p.policy_mut().start_controller();
+    eventually(
+        Duration::from_secs(30),
+        "the deleted lease to go",
+        || async { matches!(leases.get_opt("inv").await, Ok(None)).then_some(()) },
+    )
+    .await;
+    assert!(!common::policy::indexed(&p.client, &p.ns.name, "inv").await);
+    let r = fenced_merge(&p.cms, "inv", &p.a, json!({"data": {"by": "a at last"}})).await;
+    assert_refused(
+        "a write naming the gone lease",
+        r,
+        p.code(),
+        "does not list",
+    );
+}
+
 /// Only the controller writes a namespace's lease index: anyone else (here a cluster admin) is
 /// refused, whether they add a name, change the index or create a namespace carrying one;
 /// other annotations of the namespace stay free to change.

@@ -91,6 +91,12 @@ pub const POLICY_LABEL: &str = key!("policy");
 /// slashes (`/a/b/`), kept by the active controller. The chart's index policy refuses a labelled
 /// write whose lease it does not list; only the controller may change it.
 pub const LEASE_INDEX_ANNOTATION: &str = key!("leases");
+/// Finalizer on FencedLeases, policy mode: the active controller puts it on a lease before its
+/// namespace's lease index lists it, and takes it off a deleted lease only once the index no
+/// longer lists it. So a lease deleted while no controller runs stays (terminating, its
+/// generation raised by the deletion, so every token handed out is stale) until one does, and a
+/// write naming it is never let through unchecked. A controller in webhook mode takes it off.
+pub const LEASE_INDEX_FINALIZER: &str = key!("lease-index");
 /// Annotation on the webhook's certificate Secret: when its serving certificate expires.
 pub const NOT_AFTER_ANNOTATION: &str = key!("not-after");
 /// Annotation on the webhook's certificate Secret: the host names its certificate is for.

@@ -97,7 +97,7 @@ pub(super) fn binding_problem(
 }
 
 /// The chart's other two policies of policy mode, named after the fencing policy: the lease
-/// index policy (src/controller/index.rs) and the index's guard.
+/// index policy (src/controller/index/mod.rs) and the index's guard.
 pub(crate) fn index_policies(policy: &str) -> [String; 2] {
     [format!("{policy}-index"), format!("{policy}-index-guard")]
 }

@@ -101,12 +101,20 @@ impl Term<'_> {
             let period = std::time::Duration::from_secs(args.fencing_policy_check_seconds);
             tokio::spawn(keep_policy_mode(client.clone(), p, intact, period))
         });
-        let index_task = args.fencing_policy.as_ref().map(|_| {
-            tokio::spawn(super::index::keep_index(
-                client.clone(),
-                args.namespace.clone(),
-            ))
-        });
+        // Policy mode keeps the lease index; webhook mode takes its finalizer off the leases.
+        let role = match args.fencing_policy {
+            Some(_) => super::index::Role::Keep,
+            None => super::index::Role::Release,
+        };
+        let scope = super::index::Scope {
+            namespace: args.namespace.clone(),
+            role,
+            own_lease: (args.election_namespace.clone(), args.election_lease.clone()),
+        };
+        let index_task = Some(tokio::spawn(super::index::keep_index(
+            client.clone(),
+            scope,
+        )));
         let namespace = args.namespace.as_deref();
         let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
             .reconcile_on(pod_triggers(client, namespace, ctx.clone()))

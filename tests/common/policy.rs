@@ -175,6 +175,22 @@ impl PolicyFence {
 
 impl Drop for PolicyFence {
     fn drop(&mut self) {
+        // The controller put its finalizer on the namespace's leases; stopped, it no longer
+        // takes it off, so take it off here, or the namespace's deletion would wait for ever.
+        drop(self.controller.take());
+        let (_, leases, _) = super::kubectl(&["get", "fencedleases", "-n", &self.ns, "-o", "name"]);
+        for lease in leases.lines() {
+            let unguarded = r#"{"metadata":{"finalizers":null}}"#;
+            let _ = super::kubectl(&[
+                "patch",
+                lease,
+                "-n",
+                &self.ns,
+                "--type=merge",
+                "-p",
+                unguarded,
+            ]);
+        }
         // Bindings first, each policy after its binding is gone: the guard matches every
         // namespace write of the cluster, so nothing of a test's policies should linger.
         for kind in [

@@ -6,11 +6,17 @@
 //! and nothing refuses it. The chart's index policy closes that: it refuses a labelled write
 //! whose lease the index does not list (the API server reads namespaces from its own cache, so
 //! the check costs one string search per write). A lag in listing a new lease refuses its
-//! writes until it is listed (retry). A lag in dropping a deleted lease is the one that admits:
-//! until the index drops it, a write naming it finds no parameter and passes unchecked (while
-//! the controller is down, for as long as it is down; the book names the window). Only the
-//! controller may change the annotation (the chart's guard), and it writes on the version it
-//! read, so that a write of an earlier term cannot put back a name it dropped.
+//! writes until it is listed (retry). A lag in dropping a deleted lease would admit, so a lease
+//! is listed only once it carries [`LEASE_INDEX_FINALIZER`]: deleting it then only marks it (the
+//! API server raises its generation, so every token it handed out is stale) and it stays, judged
+//! as before, until the controller has written an index without it; only then does the
+//! controller take the finalizer off. A controller that is down holds deletions, never opens a
+//! window. Only the controller may change the annotation (the chart's guard), and it writes on
+//! the version it read, so that a write of an earlier term cannot put back a name it dropped.
+//! In webhook mode ([`Role::Release`]) the controller writes no index and takes the finalizer
+//! off every lease.
+
+mod leases;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -25,12 +31,9 @@ use kube::{Api, Client};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::api::{FencedLease, FIELD_MANAGER, LEASE_INDEX_ANNOTATION};
-
-/// The most bytes one namespace's index holds. Kubernetes allows 256 KiB of annotations per
-/// object; the rest is left to the namespace's other annotations. Names past it, in name order,
-/// are left out (a warning says how many), and writes naming them are refused.
-pub(crate) const INDEX_MAX_BYTES: usize = 192 * 1024;
+use crate::api::{FencedLease, FIELD_MANAGER, LEASE_INDEX_ANNOTATION, LEASE_INDEX_FINALIZER};
+use leases::{Changed, LeaseNames, Seen};
+pub(crate) use leases::{Role, INDEX_MAX_BYTES};
 
 /// How long the index gathers changes before it writes: leases created together make one
 /// write per namespace, not one each.
@@ -47,100 +50,22 @@ fn retry_after(failures: u32) -> Duration {
     doubled.min(INDEX_RETRY_MAX)
 }
 
-/// The index of `names` (in name order): each between slashes, as many as fit in
-/// [`INDEX_MAX_BYTES`]; and how many were left out.
-pub(crate) fn index_value<'a>(names: impl IntoIterator<Item = &'a String>) -> (String, usize) {
-    let mut value = String::from("/");
-    let mut left_out = 0;
-    for name in names {
-        if left_out > 0 || value.len() + name.len() + 1 > INDEX_MAX_BYTES {
-            left_out += 1;
-            continue;
-        }
-        value.push_str(name);
-        value.push('/');
-    }
-    (value, left_out)
+/// What the index task works on: the watched namespace (all when `None`), what it does
+/// (`role`), and the controller's own election lease (namespace, name), which it leaves alone.
+pub(super) struct Scope {
+    pub(super) namespace: Option<String>,
+    pub(super) role: Role,
+    pub(super) own_lease: (String, String),
 }
 
-/// Whether `index` lists lease `name`: what the chart's index policy checks, in CEL
-/// (`index.contains('/' + name + '/')`). Lease names hold no slash.
-#[cfg(test)]
-fn lists(index: &str, name: &str) -> bool {
-    !name.is_empty() && !name.contains('/') && index.contains(&format!("/{name}/"))
-}
-
-/// What a watch event changed in the names.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Changed {
-    Nothing,
-    /// These namespaces' names may have changed.
-    Namespaces(BTreeSet<String>),
-    /// A (re)list ended: every namespace may have changed, also ones no longer seen.
-    Relisted(BTreeSet<String>),
-}
-
-/// The FencedLeases' names by namespace, as a metadata watch reports them.
-#[derive(Debug, Default)]
-pub(crate) struct LeaseNames {
-    names: BTreeMap<String, BTreeSet<String>>,
-    relisting: Option<BTreeMap<String, BTreeSet<String>>>,
-}
-
-fn key(m: &PartialObjectMeta<FencedLease>) -> Option<(String, String)> {
-    Some((m.metadata.namespace.clone()?, m.metadata.name.clone()?))
-}
-
-impl LeaseNames {
-    /// Applies one watch event.
-    pub(crate) fn apply(&mut self, event: &Event<PartialObjectMeta<FencedLease>>) -> Changed {
-        match event {
-            Event::Init => {
-                self.relisting = Some(BTreeMap::new());
-                Changed::Nothing
-            }
-            Event::InitApply(m) => {
-                if let (Some(names), Some((ns, name))) = (self.relisting.as_mut(), key(m)) {
-                    names.entry(ns).or_default().insert(name);
-                }
-                Changed::Nothing
-            }
-            Event::InitDone => {
-                let new = self.relisting.take().unwrap_or_default();
-                let old = std::mem::replace(&mut self.names, new);
-                Changed::Relisted(old.into_keys().chain(self.names.keys().cloned()).collect())
-            }
-            Event::Apply(m) => self.change(m, true),
-            Event::Delete(m) => self.change(m, false),
-        }
-    }
-
-    fn change(&mut self, m: &PartialObjectMeta<FencedLease>, present: bool) -> Changed {
-        let Some((ns, name)) = key(m) else {
-            return Changed::Nothing;
-        };
-        let names = self.names.entry(ns.clone()).or_default();
-        let changed = if present {
-            names.insert(name)
-        } else {
-            names.remove(&name)
-        };
-        if changed {
-            Changed::Namespaces([ns].into())
-        } else {
-            Changed::Nothing
-        }
-    }
-
-    /// The index namespace `ns` should carry, and how many names it leaves out.
-    pub(crate) fn index_of(&self, ns: &str) -> (String, usize) {
-        index_value(self.names.get(ns).into_iter().flatten())
-    }
-}
-
-/// Keeps the index of every watched namespace (`namespace`: only that one) until aborted:
-/// the active controller runs it for its term.
-pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
+/// Keeps the index of every namespace of `scope`, or only releases the finalizer, until
+/// aborted: the active controller runs it for its term.
+pub(super) async fn keep_index(client: Client, scope: Scope) {
+    let Scope {
+        namespace,
+        role,
+        own_lease,
+    } = scope;
     let api: Api<PartialObjectMeta<FencedLease>> = match &namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
@@ -149,7 +74,8 @@ pub(super) async fn keep_index(client: Client, namespace: Option<String>) {
     // already deleted, and put it back in the index.
     let events = watcher::watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(events);
-    let mut ix = Indexer::new(client, namespace);
+    let mut ix = Indexer::new(client, namespace, role);
+    ix.leases = LeaseNames::ignoring(&own_lease.0, &own_lease.1);
     loop {
         let at = ix.flush_at;
         tokio::select! {
@@ -176,25 +102,27 @@ async fn sleep_until(at: Option<Instant>) {
 struct Indexer {
     client: Client,
     namespace: Option<String>,
+    role: Role,
     leases: LeaseNames,
     /// How many indexes this term wrote.
     writes: u64,
-    /// Namespaces whose index may be out of date.
+    /// Namespaces whose index or leases may need work.
     dirty: BTreeSet<String>,
     /// Whether to look for namespaces whose index lists leases this term has not seen.
     sweep: bool,
     flush_at: Option<Instant>,
-    /// Namespaces whose last writes failed: how many in a row, and when to try again.
+    /// Namespaces whose last work failed: how many times in a row, and when to try again.
     failing: BTreeMap<String, (u32, Instant)>,
     /// How many names each full namespace's index left out, when last said.
     full: BTreeMap<String, usize>,
 }
 
 impl Indexer {
-    fn new(client: Client, namespace: Option<String>) -> Indexer {
+    fn new(client: Client, namespace: Option<String>, role: Role) -> Indexer {
         Indexer {
             client,
             namespace,
+            role,
             leases: LeaseNames::default(),
             writes: 0,
             dirty: BTreeSet::new(),
@@ -211,7 +139,7 @@ impl Indexer {
             Changed::Namespaces(ns) => self.dirty.extend(ns),
             Changed::Relisted(ns) => {
                 self.dirty.extend(ns);
-                self.sweep = true;
+                self.sweep = self.role == Role::Keep;
             }
         }
         // Within the debounce, or sooner if a retry was due sooner; never pushed back.
@@ -219,7 +147,7 @@ impl Indexer {
         self.flush_at = Some(self.flush_at.map_or(soon, |at| at.min(soon)));
     }
 
-    /// Writes every dirty namespace's index that changed; what fails is tried again later.
+    /// Does every dirty namespace's work; what fails is tried again later.
     async fn flush(&mut self) {
         self.flush_at = None;
         if self.sweep {
@@ -239,7 +167,7 @@ impl Indexer {
                 self.dirty.insert(ns); // not yet: it failed a moment ago
                 continue;
             }
-            match self.write(&ns).await {
+            match self.settle(&ns).await {
                 Ok(()) => {
                     self.failing.remove(&ns);
                 }
@@ -260,17 +188,83 @@ impl Indexer {
         };
     }
 
-    /// Counts a failed write of namespace `ns`'s index, says so at the 1st, 2nd, 4th ... in a
-    /// row, and keeps it dirty for its next try.
+    /// Namespace `ns`'s work, in the order that never lists a lease that could vanish unseen:
+    /// the finalizer put on new leases, the index written, the finalizer taken off deleted ones.
+    async fn settle(&mut self, ns: &str) -> Result<(), kube::Error> {
+        let plan = self.leases.plan(ns, self.role);
+        for name in &plan.guard {
+            self.set_finalizer(ns, name, true).await?;
+        }
+        if plan.write_index {
+            self.write(ns).await?;
+        }
+        for name in &plan.release {
+            self.set_finalizer(ns, name, false).await?;
+        }
+        Ok(())
+    }
+
+    /// Counts a failed try at namespace `ns`, says so at the 1st, 2nd, 4th ... in a row, and
+    /// keeps it dirty for its next try.
     fn failed(&mut self, ns: String, e: &kube::Error) {
         let count = self.failing.get(&ns).map_or(1, |(n, _)| n + 1);
         let wait = retry_after(count);
         if count.is_power_of_two() {
-            warn!(namespace = %ns, error = %e, failures = count, retry_in_s = wait.as_secs(), "could not write the namespace's lease index: writes naming its new leases are refused until it is written (the controller needs get and patch on namespaces; a namespace's annotations may hold 256 KiB in all)");
+            warn!(namespace = %ns, error = %e, failures = count, retry_in_s = wait.as_secs(), "could not write the namespace's lease index or its leases' finalizer ({LEASE_INDEX_FINALIZER}): writes naming its new leases are refused, and its deleted leases stay, until it is written (the controller needs get and patch on namespaces and fencedleases; a namespace's annotations may hold 256 KiB in all)");
         }
         self.failing
             .insert(ns.clone(), (count, Instant::now() + wait));
         self.dirty.insert(ns);
+    }
+
+    /// Puts the index's finalizer on lease `ns/name` (`on`) or takes it off, on the version last
+    /// seen (a merge patch replaces the whole list, so it must not overwrite anyone else's
+    /// change); a conflict reads the lease again and tries once more. A lease gone is done.
+    async fn set_finalizer(&mut self, ns: &str, name: &str, on: bool) -> Result<(), kube::Error> {
+        let api: Api<FencedLease> = Api::namespaced(self.client.clone(), ns);
+        for attempt in 0..2 {
+            let Some(seen) = self.leases.get(ns, name).cloned() else {
+                return Ok(());
+            };
+            // Done already, or no longer wanted (no finalizer may be added to a lease being
+            // deleted).
+            if seen.guarded() == on || (on && seen.deleting) {
+                return Ok(());
+            }
+            match Self::patch_finalizers(&api, name, &seen, on).await {
+                Ok(m) => {
+                    self.leases.change(&m, true);
+                    debug!(namespace = %ns, lease = %name, on, "set the lease index's finalizer");
+                    return Ok(());
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 409 && attempt == 0 => {
+                    match api.get_metadata_opt(name).await? {
+                        Some(m) => self.leases.change(&m, true),
+                        None => return Ok(()),
+                    };
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn patch_finalizers(
+        api: &Api<FencedLease>,
+        name: &str,
+        seen: &Seen,
+        on: bool,
+    ) -> Result<PartialObjectMeta<FencedLease>, kube::Error> {
+        let patch = serde_json::json!({"metadata": {
+            "resourceVersion": seen.resource_version,
+            "finalizers": seen.finalizers_with(on),
+        }});
+        let pp = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        api.patch_metadata(name, &pp, &Patch::Merge(&patch)).await
     }
 
     /// The namespaces (of this controller's scope) that carry an index.
@@ -339,58 +333,8 @@ impl Indexer {
 
 #[cfg(test)]
 mod tests {
+    use super::leases::tests::{lease, meta};
     use super::*;
-
-    fn meta(ns: &str, name: &str) -> PartialObjectMeta<FencedLease> {
-        use kube::core::PartialObjectMetaExt;
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-            namespace: Some(ns.into()),
-            name: Some(name.into()),
-            ..Default::default()
-        }
-        .into_response_partial()
-    }
-
-    fn set(names: &[&str]) -> BTreeSet<String> {
-        names.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn the_index_lists_each_name_between_slashes_and_nothing_else() {
-        let names = set(&["db", "inventory", "db-2"]);
-        let (value, left) = index_value(&names);
-        assert_eq!((value.as_str(), left), ("/db/db-2/inventory/", 0));
-        for (name, listed) in [
-            ("db", true),
-            ("db-2", true),
-            ("inventory", true),
-            ("d", false),
-            ("b", false),
-            ("db-", false),
-            ("inv", false),
-            ("", false),
-            ("db/db-2", false),
-        ] {
-            assert_eq!(lists(&value, name), listed, "{name:?}");
-        }
-        assert_eq!(index_value(&BTreeSet::new()), ("/".to_string(), 0));
-        assert!(!lists("/", "a"));
-    }
-
-    #[test]
-    fn a_full_index_leaves_out_the_last_names_and_stays_in_bounds() {
-        let long: BTreeSet<String> = (0..2000)
-            .map(|i| format!("{i:04}-{}", "x".repeat(250)))
-            .collect();
-        let (value, left) = index_value(&long);
-        assert!(value.len() <= INDEX_MAX_BYTES, "{}", value.len());
-        assert!(left > 0 && left < 2000, "{left}");
-        let listed = value.matches('/').count() - 1;
-        assert_eq!(listed + left, 2000);
-        let first = long.iter().next().expect("first");
-        let last = long.iter().last().expect("last");
-        assert!(lists(&value, first) && !lists(&value, last));
-    }
 
     #[test]
     fn a_failing_namespace_waits_longer_each_time_up_to_a_minute() {
@@ -443,7 +387,7 @@ mod tests {
             // An index that already says what it should is not written.
             Step::new(Method::GET, NS, 200, shop("10", "/db/")),
         ]);
-        let mut ix = Indexer::new(script.client(), None);
+        let mut ix = Indexer::new(script.client(), None, Role::Keep);
         ix.seen(&Event::Apply(meta("shop", "db")));
         let e = ix.write("shop").await.expect_err("the conflict");
         assert!(matches!(&e, kube::Error::Api(s) if s.code == 409), "{e:?}");
@@ -455,44 +399,92 @@ mod tests {
         script.finish();
     }
 
-    #[test]
-    fn watch_events_say_which_namespaces_changed() {
-        let mut n = LeaseNames::default();
-        assert_eq!(n.apply(&Event::Init), Changed::Nothing);
-        assert_eq!(
-            n.apply(&Event::InitApply(meta("shop", "db"))),
-            Changed::Nothing
+    /// Lease `name` of namespace shop as a metadata answer, at `rv`, with the index's
+    /// finalizer (`guarded`).
+    fn lease_answer(name: &str, rv: &str, guarded: bool, deleting: bool) -> serde_json::Value {
+        let mut m = serde_json::to_value(lease("shop", name, rv, guarded, deleting))
+            .expect("metadata serialises");
+        m["apiVersion"] = "meta.k8s.io/v1".into();
+        m["kind"] = "PartialObjectMetadata".into();
+        m
+    }
+
+    /// Checks that a finalizer patch is on resourceVersion `rv` and says whether the index's
+    /// finalizer is there (`on`), the other finalizer kept.
+    fn finalizers(
+        rv: &'static str,
+        on: bool,
+    ) -> impl Fn(&serde_json::Value) -> Result<(), String> + Send + 'static {
+        move |b| {
+            let m = &b["metadata"];
+            let list: Vec<&str> = m["finalizers"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|f| f.as_str()).collect())
+                .unwrap_or_default();
+            let ok = m["resourceVersion"].as_str() == Some(rv)
+                && list.contains(&"example.com/other")
+                && list.contains(&LEASE_INDEX_FINALIZER) == on;
+            ok.then_some(())
+                .ok_or(format!("expected version {rv}, ours {on}"))
+        }
+    }
+
+    /// The order that never lists a lease that could vanish unseen: the finalizer goes on a new
+    /// lease before the index lists it, and comes off a deleted lease only after an index
+    /// without it is written. In webhook mode nothing but the finalizers is touched.
+    #[tokio::test]
+    async fn the_finalizer_goes_on_before_a_lease_is_listed_and_off_after_it_is_dropped() {
+        use super::super::fixtures::{Script, Step};
+        use hyper::Method;
+        const NS: &str = "/api/v1/namespaces/shop";
+        const LEASES: &str = "/apis/fencedlease.io/v1alpha1/namespaces/shop/fencedleases";
+        let (new, old) = (format!("{LEASES}/new"), format!("{LEASES}/old"));
+        let script = Script::new(vec![
+            Step::new(
+                Method::PATCH,
+                &new,
+                200,
+                lease_answer("new", "2", true, false),
+            )
+            .body(finalizers("1", true)),
+            Step::new(Method::GET, NS, 200, shop("7", "/old/")),
+            Step::new(Method::PATCH, NS, 200, shop("8", "/new/")).body(on_version("7", "/new/")),
+            Step::new(
+                Method::PATCH,
+                &old,
+                200,
+                lease_answer("old", "4", false, true),
+            )
+            .body(finalizers("3", false)),
+        ]);
+        let mut ix = Indexer::new(script.client(), None, Role::Keep);
+        ix.seen(&Event::Apply(lease("shop", "new", "1", false, false)));
+        ix.seen(&Event::Apply(lease("shop", "old", "3", true, true)));
+        ix.flush().await;
+        assert!(
+            ix.dirty.is_empty() && ix.failing.is_empty(),
+            "{:?}",
+            ix.failing
         );
-        assert_eq!(n.apply(&Event::InitDone), Changed::Relisted(set(&["shop"])));
-        assert_eq!(n.index_of("shop").0, "/db/");
-        let changed = n.apply(&Event::Apply(meta("shop", "inv")));
-        assert_eq!(changed, Changed::Namespaces(set(&["shop"])));
-        // A renewal or any other update of a known lease changes no name.
-        assert_eq!(
-            n.apply(&Event::Apply(meta("shop", "inv"))),
-            Changed::Nothing
+        script.finish();
+
+        // Webhook mode: the finalizer comes off a live lease too, and no index is read or written.
+        let script = Script::new(vec![Step::new(
+            Method::PATCH,
+            &new,
+            200,
+            lease_answer("new", "3", false, false),
+        )
+        .body(finalizers("2", false))]);
+        let mut ix = Indexer::new(script.client(), None, Role::Release);
+        ix.seen(&Event::Apply(lease("shop", "new", "2", true, false)));
+        ix.seen(&Event::Apply(lease("shop", "bare", "1", false, false)));
+        ix.flush().await;
+        assert!(
+            ix.dirty.is_empty() && ix.failing.is_empty(),
+            "{:?}",
+            ix.failing
         );
-        assert_eq!(n.index_of("shop").0, "/db/inv/");
-        assert_eq!(
-            n.apply(&Event::Delete(meta("shop", "db"))),
-            Changed::Namespaces(set(&["shop"]))
-        );
-        assert_eq!(n.index_of("shop").0, "/inv/");
-        // A relist that no longer sees shop's leases: shop changed too (to an empty index).
-        n.apply(&Event::Init);
-        n.apply(&Event::InitApply(meta("bank", "ledger")));
-        assert_eq!(
-            n.index_of("shop").0,
-            "/inv/",
-            "the old names stand until the relist ends"
-        );
-        assert_eq!(
-            n.apply(&Event::InitDone),
-            Changed::Relisted(set(&["bank", "shop"]))
-        );
-        assert_eq!(
-            (n.index_of("shop").0.as_str(), n.index_of("bank").0.as_str()),
-            ("/", "/ledger/")
-        );
+        script.finish();
     }
 }
