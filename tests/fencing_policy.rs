@@ -281,8 +281,8 @@ async fn policy_mode_a_new_lease_is_fenced_by_the_one_binding() {
 #[tokio::test]
 async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
     use common::fencing::{held_lease, protected_meta};
-    let mut p = Protected::with_policy("vapstop").await;
-    p.policy_mut().stop_controller();
+    let p = Protected::with_policy("vapstop").await;
+    p.policy().stop_controller();
     common::stories::a_replaced_holder_is_refused(&p).await;
     let ns = p.ns.name.clone();
     let late = held_lease(&p.client, &ns, "late", "pod-l").await;
@@ -315,7 +315,7 @@ async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
             "{msg}"
         );
     }
-    p.policy_mut().start_controller();
+    p.policy().start_controller();
     p.judges("late").await;
     create::<ConfigMap>(
         &p.cms,
@@ -331,6 +331,23 @@ async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
     assert_refused("a write naming a missing lease", r, 403, "does not list");
 }
 
+/// Every stale-writer story of the webhook's holds in policy mode with the controller stopped:
+/// the controller is on the path of new and deleted leases only, never of a listed lease's
+/// writes. (A story that makes a lease of its own runs the controller until it is listed.)
+#[tokio::test]
+async fn policy_mode_every_story_holds_with_the_controller_stopped() {
+    use common::stories;
+    stories::a_replaced_holder_is_refused(&Protected::with_policy_stopped("vapsx-replaced").await)
+        .await;
+    stories::every_bad_token_is_refused(&Protected::with_policy_stopped("vapsx-tokens").await)
+        .await;
+    stories::a_write_must_present_its_token(&Protected::with_policy_stopped("vapsx-present").await)
+        .await;
+    stories::server_side_apply_is_fenced(&Protected::with_policy_stopped("vapsx-ssa").await).await;
+    stories::the_label_is_protected_too(&Protected::with_policy_stopped("vapsx-label").await).await;
+    stories::deletes_are_fenced(&Protected::with_policy_stopped("vapsx-delete").await).await;
+}
+
 /// A lease deleted while the controller is stopped stays fenced: the controller put its
 /// finalizer on the lease before it listed it, so the delete only marks the lease (and raises its
 /// generation: every token it handed out is stale) and the index keeps listing a lease that
@@ -341,7 +358,7 @@ async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
 async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced() {
     use common::fencing::protected_meta;
     use fencedlease::api::LEASE_INDEX_FINALIZER;
-    let mut p = Protected::with_policy("vapdel").await;
+    let p = Protected::with_policy("vapdel").await;
     let leases: Api<FencedLease> = Api::namespaced(p.client.clone(), &p.ns.name);
     let guarded = leases.get("inv").await.expect("lease inv");
     assert!(
@@ -353,7 +370,7 @@ async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced()
         "a listed lease carries the finalizer: {:?}",
         guarded.metadata.finalizers
     );
-    p.policy_mut().stop_controller();
+    p.policy().stop_controller();
     leases
         .delete("inv", &DeleteParams::default())
         .await
@@ -398,7 +415,7 @@ async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced()
         .expect("the deleted lease stays while no controller runs");
     assert!(held.metadata.deletion_timestamp.is_some());
     // The controller back: the name leaves the index, then the lease goes.
-    p.policy_mut().start_controller();
+    p.policy().start_controller();
     eventually(
         Duration::from_secs(30),
         "the deleted lease to go",
@@ -521,7 +538,7 @@ async fn policy_mode_only_the_controller_writes_the_lease_index() {
 /// its policy, and leaves every other binding alone; the writes stay judged throughout.
 #[tokio::test]
 async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
-    let mut p = Protected::with_policy("vaplegacy").await;
+    let p = Protected::with_policy("vaplegacy").await;
     let ns = p.ns.name.clone();
     let policy = p.policy().name.clone();
     let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(p.client.clone());
@@ -549,7 +566,7 @@ async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
         .create(&pp, &legacy(&theirs, "another-fencing"))
         .await
         .expect("another policy's binding");
-    p.policy_mut().start_controller();
+    p.policy().start_controller();
     eventually(
         Duration::from_secs(60),
         "the controller to remove 0.2.0's per-lease binding",
@@ -573,11 +590,11 @@ async fn policy_mode_the_controller_removes_the_per_lease_bindings_of_0_2_0() {
 /// gauge is 1 again. Only metrics and logs: the controller changes no binding.
 #[tokio::test]
 async fn policy_mode_the_controller_reports_a_changed_binding() {
-    let mut p = Protected::with_policy("vapwatch").await;
+    let p = Protected::with_policy("vapwatch").await;
     let name = p.policy().name.clone();
     let port = common::webhook::free_port();
     let addr = format!("127.0.0.1:{port}");
-    p.policy_mut().start_controller_with(&[
+    p.policy().start_controller_with(&[
         "--metrics-addr",
         &addr,
         "--fencing-policy-check-seconds",
@@ -610,12 +627,7 @@ async fn policy_mode_the_controller_reports_a_changed_binding() {
         .await
         .expect("change the binding");
     intact(0.0).await;
-    let log = p
-        .policy()
-        .controller
-        .as_ref()
-        .expect("controller")
-        .log_tail();
+    let log = p.policy().controller_log();
     assert!(
         log.contains("without Deny") && log.contains("helm upgrade"),
         "{log}"
@@ -663,12 +675,13 @@ async fn policy_mode_the_controller_refuses_to_start_without_its_policy() {
     assert!(ok, "{out}{err}");
     // The policy without its binding (which the chart renders beside it) checks nothing: the
     // controller refuses that too.
-    let mut fence = common::policy::PolicyFence::start(&client, &dir, &ns.name).await;
+    let fence = common::policy::PolicyFence::start(&client, &dir, &ns.name).await;
     // The indexer that start() runs checks the binding as it starts: stop it first.
     fence.stop_controller();
     let (ok, _, err) = kubectl(&["delete", "validatingadmissionpolicybinding", &fence.name]);
     assert!(ok, "{err}");
-    let c = fence.start_controller();
+    fence.start_controller();
+    let mut c = fence.take_controller();
     let code = c.wait_exit(Duration::from_secs(20));
     let log = c.log_tail();
     assert_eq!(code, Some(1), "{log}");

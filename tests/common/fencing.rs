@@ -212,6 +212,8 @@ pub struct Protected {
     pub a: Held,
     /// With `through_proxy`: the proxy between the webhook and the API server.
     pub proxy: Option<ApiProxy>,
+    /// Policy mode with the controller stopped once lease "inv" is listed.
+    stopped: bool,
 }
 
 impl Protected {
@@ -240,6 +242,16 @@ impl Protected {
         Protected::stage(client, ns, Guard::Policy(policy), None).await
     }
 
+    /// Guarded by the policy, with the controller stopped once lease "inv" is listed: the API
+    /// server alone judges what follows (a lease a story creates starts the controller until it
+    /// is listed, [`Protected::judges`]).
+    pub async fn with_policy_stopped(name: &str) -> Protected {
+        let mut p = Protected::with_policy(name).await;
+        p.policy().stop_controller();
+        p.stopped = true;
+        p
+    }
+
     async fn stage(
         client: Client,
         ns: TestNamespace,
@@ -258,6 +270,7 @@ impl Protected {
             cms,
             a,
             proxy,
+            stopped: false,
         };
         p.judges("inv").await;
         let cm = serde_json::json!({"metadata": protected_meta("inv", "inv", &p.a), "data": {"by": "a"}});
@@ -287,14 +300,6 @@ impl Protected {
         }
     }
 
-    /// The fencing policy, to start its controller (panics with the webhook).
-    pub fn policy_mut(&mut self) -> &mut PolicyFence {
-        match &mut self.wh {
-            Guard::Policy(p) => p,
-            Guard::Webhook(_) => panic!("this test runs with the webhook: no policy"),
-        }
-    }
-
     pub fn policy_mode(&self) -> bool {
         matches!(self.wh, Guard::Policy(_))
     }
@@ -306,8 +311,13 @@ impl Protected {
 
     /// Waits until writes labelled for `lease` are judged (at once with the webhook; in policy
     /// mode once the API server's view of the FencedLeases has the lease).
+    /// In policy mode with the controller stopped ([`Protected::with_policy_stopped`]), the
+    /// controller runs only until it has listed the lease: a new lease is refused until listed.
     pub async fn judges(&self, lease: &str) {
         if self.policy_mode() {
+            if self.stopped {
+                self.policy().start_controller();
+            }
             super::policy::wait_judged(
                 &self.client,
                 &self.ns.name,
@@ -315,6 +325,9 @@ impl Protected {
                 std::time::Duration::from_secs(30),
             )
             .await;
+            if self.stopped {
+                self.policy().stop_controller();
+            }
         }
     }
 

@@ -22,7 +22,9 @@ pub struct PolicyFence {
     /// The ValidatingAdmissionPolicy's name, and its binding's; the index policy and its guard
     /// are named after it ([`PolicyFence::names`]).
     pub name: String,
-    pub controller: Option<Proc>,
+    /// The running controller, if any (behind a lock, so that a shared fence can stop and
+    /// start it).
+    controller: std::sync::Mutex<Option<Proc>>,
     dir: std::path::PathBuf,
     ns: String,
 }
@@ -99,9 +101,9 @@ impl PolicyFence {
             .expect("write the rendered policy");
         let (ok, _, err) = super::kubectl(&["apply", "-f", file.to_str().expect("utf-8")]);
         assert!(ok, "installing the fencing policy failed: {err}");
-        let mut fence = PolicyFence {
+        let fence = PolicyFence {
             name,
-            controller: None,
+            controller: std::sync::Mutex::new(None),
             dir: dir.to_path_buf(),
             ns: ns.to_string(),
         };
@@ -140,28 +142,46 @@ impl PolicyFence {
 
     /// Starts `fencedlease controller --fencing-policy` for this policy (identity
     /// "controller"), in place of the one running.
-    pub fn start_controller(&mut self) -> &mut Proc {
+    pub fn start_controller(&self) {
         self.start_controller_with(&[])
     }
 
     /// [`PolicyFence::start_controller`] with more arguments.
-    pub fn start_controller_with(&mut self, extra: &[&str]) -> &mut Proc {
+    pub fn start_controller_with(&self, extra: &[&str]) {
         self.start_controller_as("controller", extra)
     }
 
-    fn start_controller_as(&mut self, identity: &str, extra: &[&str]) -> &mut Proc {
+    fn start_controller_as(&self, identity: &str, extra: &[&str]) {
         self.stop_controller();
         let mut args = vec!["--fencing-policy", self.name.as_str()];
         args.extend_from_slice(extra);
         let c = controller_with(&self.dir, &self.ns, identity, &args);
-        self.controller.insert(c)
+        *self.running() = Some(c);
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, Option<Proc>> {
+        self.controller.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The running controller, taken from the fence (to wait for its exit, say).
+    pub fn take_controller(&self) -> Proc {
+        self.running().take().expect("a controller runs")
+    }
+
+    /// The running controller's log's tail.
+    pub fn controller_log(&self) -> String {
+        self.running()
+            .as_ref()
+            .expect("a controller runs")
+            .log_tail()
     }
 
     /// Stops the controller (SIGTERM: it hands its election lease back) and waits for it to
     /// exit: with 0, or killed by the signal when it came before the controller had set up its
     /// handling (then it had not campaigned yet either).
-    pub fn stop_controller(&mut self) {
-        if let Some(mut c) = self.controller.take() {
+    pub fn stop_controller(&self) {
+        let running = self.running().take();
+        if let Some(mut c) = running {
             c.signal(nix::sys::signal::Signal::SIGTERM);
             let code = c.wait_exit(Duration::from_secs(60));
             assert!(
@@ -177,7 +197,7 @@ impl Drop for PolicyFence {
     fn drop(&mut self) {
         // The controller put its finalizer on the namespace's leases; stopped, it no longer
         // takes it off, so take it off here, or the namespace's deletion would wait for ever.
-        drop(self.controller.take());
+        drop(self.running().take());
         let (_, leases, _) = super::kubectl(&["get", "fencedleases", "-n", &self.ns, "-o", "name"]);
         for lease in leases.lines() {
             let unguarded = r#"{"metadata":{"finalizers":null}}"#;
