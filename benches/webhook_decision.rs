@@ -24,6 +24,7 @@ fn lease(generation: i64) -> LeaseView {
         uid: UID.into(),
         generation,
         holder: Some("worker-b".into()),
+        deleting: false,
     }
 }
 

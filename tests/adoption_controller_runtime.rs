@@ -55,6 +55,7 @@ async fn the_go_lock_meets_client_gos_expectations_and_elects_through_run_or_die
     for test in [
         "TestIntegrationLockMeetsClientGosExpectations",
         "TestIntegrationRunOrDieElectsThroughTheLock",
+        "TestIntegrationALeaseBeingDeletedElectsNobody",
     ] {
         assert!(
             out.contains(&format!("--- PASS: {test}")),

@@ -443,3 +443,76 @@ async fn retaking_a_lease_that_still_names_you_gives_a_new_token() {
     assert_eq!(lease.holder(), Some("a"));
     assert_eq!(lease.token(), led.token);
 }
+
+/// A lease being deleted (it waits for a finalizer: in policy mode the controller's, until the
+/// lease index drops it) elects nobody: its holder stops leading at once, and no candidate
+/// leads on it. Once it is gone a candidate makes it again and leads under the new lease.
+#[tokio::test]
+async fn a_lease_being_deleted_elects_nobody() {
+    use kube::api::DeleteParams;
+    const HOLD: &str = "example.com/test-hold";
+    let client = client().await;
+    ensure_crd();
+    let ns = TestNamespace::new(&client, "doomed").await;
+    let dir = scratch_dir("doomed");
+    let a = campaign(&dir, &ns.name, "db", "a", 2);
+    let (_, led) = leader(&[&a], Duration::from_secs(30)).await;
+    let old_uid = led.lease_uid.clone().expect("the lease uid");
+    let leases: Api<FencedLease> = Api::namespaced(client.clone(), &ns.name);
+    let hold = serde_json::json!({"metadata": {"finalizers": [HOLD]}});
+    leases
+        .patch("db", &PatchParams::default(), &Patch::Merge(&hold))
+        .await
+        .expect("hold the lease with a finalizer");
+    let b = campaign(&dir, &ns.name, "db", "b", 2);
+    following(&b, "a").await;
+    let deleted_at = now_ns();
+    leases
+        .delete("db", &DeleteParams::default())
+        .await
+        .expect("delete the lease");
+    // It stops because it lost the lease, not because the delete moved its token on (after
+    // which it would lead again under the raised generation).
+    eventually(
+        Duration::from_secs(30),
+        "the holder to stop: lost",
+        || async {
+            a.events()
+                .iter()
+                .any(|e| {
+                    e.event == "stopped"
+                        && e.t_ns > deleted_at
+                        && e.reason.as_deref() == Some("lost")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let doomed = leases
+        .get("db")
+        .await
+        .expect("the lease waits for its finalizer");
+    assert!(doomed.metadata.deletion_timestamp.is_some());
+    let release = serde_json::json!({"metadata": {"finalizers": null}});
+    leases
+        .patch("db", &PatchParams::default(), &Patch::Merge(&release))
+        .await
+        .expect("let the lease go");
+    let (_, next) = next_leader(&[&a, &b], deleted_at, Duration::from_secs(60)).await;
+    assert_ne!(
+        next.lease_uid.as_deref(),
+        Some(old_uid.as_str()),
+        "{next:?}"
+    );
+    // Nobody led on the lease being deleted: every tenure begun after the delete is the new
+    // lease's.
+    for p in [&a, &b] {
+        for e in p
+            .events()
+            .iter()
+            .filter(|e| e.event == "leading" && e.t_ns > deleted_at)
+        {
+            assert_ne!(e.lease_uid.as_deref(), Some(old_uid.as_str()), "{e:?}");
+        }
+    }
+}

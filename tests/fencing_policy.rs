@@ -331,6 +331,12 @@ async fn policy_mode_without_the_controller_no_lease_is_unfenced() {
     assert_refused("a write naming a missing lease", r, 403, "does not list");
 }
 
+#[tokio::test]
+async fn policy_mode_a_lease_being_deleted_fences_nothing() {
+    let p = Protected::with_policy("vapdoomed").await;
+    common::stories::a_lease_being_deleted_fences_nothing(&p).await;
+}
+
 /// Every stale-writer story of the webhook's holds in policy mode with the controller stopped:
 /// the controller is on the path of new and deleted leases only, never of a listed lease's
 /// writes. (A story that makes a lease of its own runs the controller until it is listed.)
@@ -346,6 +352,10 @@ async fn policy_mode_every_story_holds_with_the_controller_stopped() {
     stories::server_side_apply_is_fenced(&Protected::with_policy_stopped("vapsx-ssa").await).await;
     stories::the_label_is_protected_too(&Protected::with_policy_stopped("vapsx-label").await).await;
     stories::deletes_are_fenced(&Protected::with_policy_stopped("vapsx-delete").await).await;
+    stories::a_lease_being_deleted_fences_nothing(
+        &Protected::with_policy_stopped("vapsx-doomed").await,
+    )
+    .await;
 }
 
 /// A lease deleted while the controller is stopped stays fenced: the controller put its
@@ -389,7 +399,10 @@ async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced()
                 dry_run: true,
                 ..Default::default()
             };
-            cms.create(&dry, &probe).await.is_err().then_some(())
+            match cms.create(&dry, &probe).await {
+                Err(kube::Error::Api(s)) if s.message.contains("is being deleted") => Some(()),
+                _ => None,
+            }
         },
     )
     .await;
@@ -404,7 +417,7 @@ async fn policy_mode_a_lease_deleted_while_the_controller_is_down_stays_fenced()
         "the deleted lease's holder",
         r,
         p.code(),
-        &format!("stale token {}", p.a.token),
+        &format!("FencedLease {}/inv is being deleted", p.ns.name),
     );
     let bare = json!({"metadata": {"name": "del-bare", "labels": {LEASE: "inv"}}});
     let r = create::<ConfigMap>(&p.cms, bare).await;

@@ -693,3 +693,9 @@ async fn shared_story_deletes_are_fenced() {
     let p = common::fencing::Protected::new("wdelete", false).await;
     common::stories::deletes_are_fenced(&p).await;
 }
+
+#[tokio::test]
+async fn shared_story_a_lease_being_deleted_fences_nothing() {
+    let p = common::fencing::Protected::new("wdoomed", false).await;
+    common::stories::a_lease_being_deleted_fences_nothing(&p).await;
+}

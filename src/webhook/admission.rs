@@ -719,6 +719,7 @@ mod tests {
             uid: "u1".into(),
             generation: 5,
             holder: Some("b".into()),
+            deleting: false,
         };
         assert!(respond(&j, Some(&view), Mode::Enforce).0.allowed);
         let moved_on = LeaseView {
@@ -877,6 +878,7 @@ mod tests {
             uid: "u".into(),
             generation: 7,
             holder: Some("b".into()),
+            deleting: false,
         };
         let (resp, _) = respond(&j, Some(&lease), Mode::Enforce);
         assert!(!resp.allowed);
@@ -921,6 +923,7 @@ mod tests {
             uid: "u".into(),
             generation: 7,
             holder: Some("b".into()),
+            deleting: false,
         };
         let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
         assert_eq!(label, "denied_not_presented");
@@ -1030,6 +1033,7 @@ mod tests {
             uid: "u".into(),
             generation: 4,
             holder: Some("b".into()),
+            deleting: false,
         };
         let (resp, label) = respond(&j, Some(&lease), Mode::Enforce);
         assert!(!resp.allowed);
@@ -1138,7 +1142,7 @@ mod tests {
                 serde_json::json!({TOKEN_ANNOTATION: token, LEASE_UID_ANNOTATION: uid, WRITE_ID_ANNOTATION: id}));
             let b = review_as(&op, sub.as_deref(), "u", obj.clone(), with_old.then_some(obj));
             if let Parsed::Judge(j) = parsed(&b) {
-                let lv = LeaseView { uid: uid.clone(), generation: 3, holder: Some("h".into()) };
+                let lv = LeaseView { uid: uid.clone(), generation: 3, holder: Some("h".into()), deleting: false };
                 let _ = respond(&j, Some(&lv), Mode::Enforce);
                 let _ = respond(&j, None, Mode::Warn);
             }

@@ -18,7 +18,7 @@ pub enum Denial {
     NotPresented,
     /// A delete whose object did not announce it under the current token.
     UnannouncedDelete,
-    /// The lease does not exist.
+    /// The lease does not exist, or is being deleted.
     NoLease,
     /// Nobody holds the lease.
     Free,

@@ -15,6 +15,9 @@ pub struct LeaseView {
     /// `metadata.generation`: the current token.
     pub generation: i64,
     pub holder: Option<String>,
+    /// `metadata.deletionTimestamp` is set: the lease waits for a finalizer (policy mode's
+    /// controller holds it until the lease index no longer lists it). It fences no write.
+    pub deleting: bool,
 }
 
 /// Enforce (refuse bad writes) or warn (let them through with a warning).
@@ -78,6 +81,10 @@ pub enum Refusal {
     /// A delete the object's last write did not announce.
     DeleteNotAnnounced,
     NoLease,
+    /// The lease is being deleted: it fences no write.
+    LeaseDeleting {
+        current: i64,
+    },
     LeaseFree {
         current: i64,
     },
@@ -104,7 +111,7 @@ impl Refusal {
             Refusal::MalformedToken(_) => Denial::Malformed,
             Refusal::NotPresented => Denial::NotPresented,
             Refusal::DeleteNotAnnounced => Denial::UnannouncedDelete,
-            Refusal::NoLease => Denial::NoLease,
+            Refusal::NoLease | Refusal::LeaseDeleting { .. } => Denial::NoLease,
             Refusal::LeaseFree { .. } => Denial::Free,
             Refusal::OtherLeaseIncarnation { .. } | Refusal::Stale { .. } => Denial::Stale,
             Refusal::Future { .. } => Denial::Future,
@@ -159,6 +166,9 @@ impl Refusal {
             ),
             Refusal::NoLease => format!(
                 "fencedlease: this object is protected by {lease}, which does not exist; create it (or fix label {LEASE_LABEL}: it names a lease in the object's own namespace)"
+            ),
+            Refusal::LeaseDeleting { current } => format!(
+                "fencedlease: {lease} is being deleted (current token {current}): a lease being deleted fences no write; once it is gone, create it again and have its holder acquire it"
             ),
             Refusal::LeaseFree { current } => format!(
                 "fencedlease: stale token {presented}: {lease} is free (nobody holds it; current token {current}); acquire the lease before writing"
@@ -240,6 +250,9 @@ pub fn decide(w: &WriteAttempt<'_>, lease: Option<&LeaseView>) -> Verdict {
     }
     let holder = lease.holder.clone().filter(|h| !h.is_empty());
     let current = lease.generation;
+    if lease.deleting {
+        return Verdict::Refuse(LeaseDeleting { current });
+    }
     if presented < current {
         return Verdict::Refuse(Stale {
             presented,
@@ -374,6 +387,7 @@ mod tests {
             uid: "u1".into(),
             generation,
             holder: holder.map(str::to_string),
+            deleting: false,
         }
     }
     fn stamp<'a>(token: Option<&'a str>, uid: Option<&'a str>, id: Option<&'a str>) -> Stamp<'a> {
@@ -436,8 +450,26 @@ mod tests {
         let cur = lease(5, Some("b"));
         let free = lease(5, None);
         let blank = lease(5, Some(""));
+        let doomed = LeaseView {
+            deleting: true,
+            ..lease(5, Some("b"))
+        };
         let cases: Vec<(WriteAttempt<'_>, Option<&LeaseView>, Verdict)> = vec![
             (attempt(Some("5"), Some("u1")), Some(&cur), Verdict::Allow),
+            // A lease being deleted fences nothing, even its holder's current token; another
+            // incarnation's token is told so first.
+            (
+                attempt(Some("5"), Some("u1")),
+                Some(&doomed),
+                Verdict::Refuse(Refusal::LeaseDeleting { current: 5 }),
+            ),
+            (
+                attempt(Some("5"), Some("u0")),
+                Some(&doomed),
+                Verdict::Refuse(Refusal::OtherLeaseIncarnation {
+                    current_uid: "u1".into(),
+                }),
+            ),
             (
                 attempt(None, Some("u1")),
                 Some(&cur),
@@ -604,6 +636,7 @@ mod tests {
             uid: "u2".into(),
             generation: 1,
             holder: Some("c".into()),
+            deleting: false,
         };
         assert_eq!(
             decide(

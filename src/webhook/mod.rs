@@ -356,6 +356,7 @@ fn view(l: &FencedLease) -> Option<LeaseView> {
         uid: l.metadata.uid.clone()?,
         generation: l.metadata.generation?,
         holder: l.holder().map(str::to_string),
+        deleting: l.metadata.deletion_timestamp.is_some(),
     })
 }
 

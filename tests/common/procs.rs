@@ -19,6 +19,9 @@ pub struct Ev {
     /// The holder a `following` event names (None: nobody holds the lease).
     #[serde(default)]
     pub holder: Option<String>,
+    /// Why a `stopped` event stopped: `lost`, `token_moved`, ...
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 pub struct Proc {

@@ -371,3 +371,102 @@ pub async fn deletes_are_fenced(p: &Protected) {
         "inv is gone"
     );
 }
+
+/// A lease being deleted fences nothing (issue 37): while it waits for a finalizer (in policy
+/// mode the controller holds it until the lease index drops it; here a finalizer of the test's
+/// own), a write presenting even its current token is refused, saying the lease is being
+/// deleted. Elections end too: the electors take a lease being deleted for a deleted one.
+pub async fn a_lease_being_deleted_fences_nothing(p: &Protected) {
+    use super::fencing::protected_meta;
+    use fencedlease::api::{FencedLease, FencedLeaseSpec};
+    use kube::api::DeleteParams;
+    const HOLD: &str = "example.com/test-hold";
+    let ns = &p.ns.name;
+    let leases: Api<FencedLease> = Api::namespaced(p.client.clone(), ns);
+    let mut spec = FencedLeaseSpec::free();
+    spec.holder_identity = Some("pod-d".into());
+    let mut doomed = FencedLease::new("doomed", spec);
+    doomed.metadata.finalizers = Some(vec![HOLD.into()]);
+    let made = leases
+        .create(&PostParams::default(), &doomed)
+        .await
+        .expect("create lease doomed");
+    let d = Held {
+        token: made.metadata.generation.expect("generation"),
+        uid: made.metadata.uid.clone().expect("uid"),
+    };
+    p.judges("doomed").await;
+    create::<ConfigMap>(
+        &p.cms,
+        json!({"metadata": protected_meta("doomed", "doomed", &d)}),
+    )
+    .await
+    .expect("the holder writes while the lease stands");
+    leases
+        .delete("doomed", &DeleteParams::default())
+        .await
+        .expect("delete lease doomed");
+    let now = leases
+        .get("doomed")
+        .await
+        .expect("the lease waits for its finalizer");
+    let current = Held {
+        token: now.metadata.generation.expect("generation"),
+        uid: d.uid.clone(),
+    };
+    assert!(current.token > d.token, "the delete raised the generation");
+    // The guard's view of the lease follows it (in policy mode, the API server's cache).
+    let want = format!(
+        "FencedLease {ns}/doomed is being deleted (current token {})",
+        current.token
+    );
+    let cms = p.cms.clone();
+    super::eventually(
+        std::time::Duration::from_secs(20),
+        "the guard to see the delete",
+        || async {
+            let probe: ConfigMap = serde_json::from_value(
+                json!({"metadata": protected_meta("doomed-2", "doomed", &current)}),
+            )
+            .ok()?;
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            match cms.create(&dry, &probe).await {
+                Err(kube::Error::Api(s)) if s.message.contains(&want) => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    let r = fenced_merge(&p.cms, "doomed", &current, json!({"data": {"n": "after"}})).await;
+    assert_refused(
+        "the lease's current token, the lease being deleted",
+        r,
+        p.code(),
+        &want,
+    );
+    // Let it go: the test's finalizer off, the others (policy mode's) left to the controller,
+    // which may change the lease meanwhile (a conflict: read again).
+    super::eventually(
+        std::time::Duration::from_secs(20),
+        "the test's finalizer off",
+        || async {
+            let Some(now) = leases.get_opt("doomed").await.ok()? else {
+                return Some(());
+            };
+            let left: Vec<String> = now.metadata.finalizers.unwrap_or_default();
+            let left: Vec<String> = left.into_iter().filter(|f| f != HOLD).collect();
+            let rv = now.metadata.resource_version;
+            let patch = json!({"metadata": {"resourceVersion": rv, "finalizers": left}});
+            let pp = PatchParams::default();
+            leases
+                .patch("doomed", &pp, &Patch::Merge(&patch))
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+}

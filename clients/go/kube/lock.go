@@ -103,6 +103,11 @@ func (l *Lock) Get(ctx context.Context) (*resourcelock.LeaderElectionRecord, []b
 		return nil, nil, err
 	}
 	l.saw(obj)
+	if obj.GetDeletionTimestamp() != nil {
+		// Being deleted (it waits for a finalizer): it elects nobody. The holder cannot renew,
+		// so client-go ends its leadership; nobody acquires it.
+		return nil, nil, fmt.Errorf("fencedkube: %s is being deleted: it elects nobody until it is gone and made again", l.Describe())
+	}
 	rec := recordOf(obj)
 	// The record and the exact renewTime (the record's times have whole seconds), not the
 	// resourceVersion: the controller's own status writes (conditions) move that but are no
@@ -337,8 +342,8 @@ func (l *Lock) saw(obj *unstructured.Unstructured) {
 	if l.tenure == nil {
 		return
 	}
-	if !ours || string(obj.GetUID()) != l.tenure.token.LeaseUID {
-		l.tenure = nil // lost: someone else holds it, nobody does, or the lease was replaced
+	if !ours || string(obj.GetUID()) != l.tenure.token.LeaseUID || obj.GetDeletionTimestamp() != nil {
+		l.tenure = nil // lost: someone else holds it, nobody does, the lease was replaced or is being deleted
 		return
 	}
 	if g := obj.GetGeneration(); g > l.tenure.token.Value {

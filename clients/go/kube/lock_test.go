@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -210,6 +211,40 @@ func TestIntegrationLockMeetsClientGosExpectations(t *testing.T) {
 	}
 	if _, err := c.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
 		t.Fatalf("a token after release: %v", err)
+	}
+}
+
+// TestIntegrationALeaseBeingDeletedElectsNobody: a lease that waits for a finalizer after its
+// delete (policy mode's controller holds it until the lease index drops it) ends the holder's
+// tenure, and nobody can read it as a record to acquire.
+func TestIntegrationALeaseBeingDeletedElectsNobody(t *testing.T) {
+	cfg, ns := integration(t)
+	ctx := context.Background()
+	a := lock(t, cfg, ns, "doomed", "a")
+	if err := a.Create(ctx, resourcelock.LeaderElectionRecord{HolderIdentity: "a", LeaseDurationSeconds: 30}); err != nil {
+		t.Fatalf("Create: %v", err)
+	}
+	mustToken(t, a)
+	hold := []byte(`{"metadata":{"finalizers":["example.com/hold"]}}`)
+	if _, err := a.leases.Patch(ctx, "doomed", types.MergePatchType, hold, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		let := []byte(`{"metadata":{"finalizers":null}}`)
+		_, _ = a.leases.Patch(ctx, "doomed", types.MergePatchType, let, metav1.PatchOptions{})
+	}()
+	if err := a.leases.Delete(ctx, "doomed", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := a.Get(ctx); err == nil || !strings.Contains(err.Error(), "being deleted") {
+		t.Fatalf("Get of a lease being deleted: want an error saying so, got %v", err)
+	}
+	if _, err := a.Token(ctx); !errors.Is(err, fencedlease.ErrNotLeading) {
+		t.Fatalf("the holder of a lease being deleted still has a token: %v", err)
+	}
+	b := lock(t, cfg, ns, "doomed", "b")
+	if _, _, err := b.Get(ctx); err == nil {
+		t.Fatal("another participant read a lease being deleted as a record it could acquire")
 	}
 }
 

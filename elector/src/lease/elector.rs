@@ -332,7 +332,11 @@ impl Elector {
     /// Takes in a newer view of the lease (from the watch or from a write's answer).
     fn saw(&mut self, obj: Option<FencedLease>) {
         let now = self.mono(clock::now());
-        let Some(obj) = obj else {
+        // A lease being deleted (it waits for a finalizer: in policy mode, until the controller
+        // has dropped it from the lease index) is gone for the election: its holder stops, and
+        // nobody acquires it. Its deletion raised its generation, so no token it handed out
+        // still passes the fence, and the fence refuses every write it would judge.
+        let Some(obj) = obj.filter(|o| o.metadata.deletion_timestamp.is_none()) else {
             self.latest = None;
             self.obs = None;
             return;
@@ -390,7 +394,7 @@ impl Elector {
         let idle = now + Duration::from_secs(3600);
         let Some(lease) = self.latest.clone() else {
             if self.tenure.is_some() {
-                self.lose("the FencedLease was deleted");
+                self.lose("the FencedLease was deleted (or is being deleted)");
             } else if !matches!(*self.state.borrow(), LeaderState::Unknown) {
                 self.publish(LeaderState::Unknown);
             }
