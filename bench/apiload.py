@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import apilog
 import lib
 from lib import API_PORT, Kube, log, now_ns, step
 from systems import OURS, SYSTEMS, peer_timings, start_candidate
@@ -34,9 +35,6 @@ def classify(method: str, target: str) -> str:
             return "watch"
         return "get"
     return {"PUT": "update", "PATCH": "patch", "POST": "create", "DELETE": "delete"}.get(method, method.lower())
-
-
-WRITES = {"update", "patch", "create", "delete"}
 
 
 class CountingProxy:
@@ -143,26 +141,8 @@ class CountingProxy:
             return [e for e in self.events if t0 <= e[0] < t1]
 
 
-def rates(events, ports: list[int], seconds: float) -> dict:
-    """Per-port counts by verb, turned into per-second rates."""
-    by_port: dict[int, dict[str, int]] = {p: defaultdict(int) for p in ports}
-    for _, port, verb, _ in events:
-        if port in by_port:
-            by_port[port][verb] += 1
-    return {p: {v: c / seconds for v, c in d.items()} for p, d in by_port.items()}, by_port
-
-
-def total(d: dict[str, float], writes_only: bool = False) -> float:
-    return sum(v for k, v in d.items() if not writes_only or k in WRITES)
-
-
-def mean_of(rs: list[dict[str, float]]) -> dict[str, float]:
-    verbs = sorted({k for r in rs for k in r})
-    n = max(1, len(rs))
-    return {v: sum(r.get(v, 0.0) for r in rs) / n for v in verbs}
-
-
 def run_one(system: str, n: int, args, proxy: CountingProxy, proxy_ca: bytes, kube: Kube) -> dict:
+    """One system with N candidates: its figures (apilog.figures) and its kept request log."""
     L = args.lease
     ns = f"bench-api-{'fl' if system == OURS else 'cg'}-{n}-{lib.rand_suffix()}"
     kube.create_namespace(ns)
@@ -202,10 +182,6 @@ def run_one(system: str, n: int, args, proxy: CountingProxy, proxy_ca: bytes, ku
         t1 = now_ns()
         if leader() != h:
             raise RuntimeError("the leader changed during the idle window")
-        idle_s = (t1 - t0) / 1e9
-        idle_rates, idle_counts = rates(proxy.window(t0, t1), ports, idle_s)
-        holder_port = ports[h]
-        cand_ports = [p for p in ports if p != holder_port]
         # failover
         step(f"apiload {system} N={n}: SIGKILL of the holder c{h}, counting until the next leader")
         t_kill = now_ns()
@@ -222,35 +198,12 @@ def run_one(system: str, n: int, args, proxy: CountingProxy, proxy_ca: bytes, ku
 
         nl, t_lead = lib.wait_until(next_leader, 3 * L + 60, "the next leader", interval=0.05)
         time.sleep(0.5)  # let the answers of the race arrive before counting
-        fo_s = (t_lead - t_kill) / 1e9
-        fo_events = proxy.window(t_kill, t_lead + int(0.5e9))
-        fo_rates, fo_counts = rates(fo_events, cand_ports, fo_s + 0.5)
-        per_cand_idle = [idle_rates[p] for p in cand_ports]
-        res = {
-            "system": system, "n": n, "lease_s": L,
-            "idle_window_s": idle_s,
-            "idle": {
-                "holder_rps": dict(idle_rates[holder_port]),
-                "holder_rps_total": total(idle_rates[holder_port]),
-                "holder_writes_per_lease": total(idle_rates[holder_port], True) * L,
-                "candidate_rps_mean": mean_of(per_cand_idle),
-                "candidate_rps_total_mean": sum(total(r) for r in per_cand_idle) / max(1, len(per_cand_idle)),
-                "candidate_rps_max": max((total(r) for r in per_cand_idle), default=0.0),
-                "candidate_nonwatch_requests": sum(c for p in cand_ports
-                                                   for v, c in idle_counts[p].items() if v != "watch"),
-                "all_rps": sum(total(r) for r in idle_rates.values()),
-            },
-            "failover": {
-                "window_s": fo_s + 0.5,
-                "failover_s": fo_s,
-                "candidate_rps_mean": mean_of([fo_rates[p] for p in cand_ports]),
-                "candidate_rps_total_mean": sum(total(fo_rates[p]) for p in cand_ports) / max(1, len(cand_ports)),
-                "requests_total": sum(sum(fo_counts[p].values()) for p in cand_ports),
-                "requests_by_verb": {v: sum(fo_counts[p].get(v, 0) for p in cand_ports)
-                                     for v in sorted({v for p in cand_ports for v in fo_counts[p]})},
-                "conflicts_note": "PUTs that lost the race are answered 409 and counted as updates",
-            },
-        }
+        request_log = apilog.request_log(proxy.window(t0, t_lead + int(0.5e9)), ports, h, L,
+                                         (t0, t1), (t_kill, t_lead), 0.5)
+        res = {"system": system, "n": n, "lease_s": L, **apilog.figures(request_log)}
+        res["raw_samples"] = lib.keep_samples(args.out, f"samples/apiload-{system}-{n}.json.gz", {},
+                                              {"requests": request_log})
+        fo_s = res["failover"]["failover_s"]
         log(f"apiload {system} N={n}: idle holder {res['idle']['holder_rps_total']:.3f} req/s "
             f"({res['idle']['holder_writes_per_lease']:.2f} writes per lease), candidate mean "
             f"{res['idle']['candidate_rps_total_mean']:.4f} req/s; failover {fo_s:.2f} s, "

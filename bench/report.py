@@ -8,6 +8,7 @@ import gzip
 import json
 from pathlib import Path
 
+import apilog
 from percentiles import bootstrap_ci, hist_upper_ms, paired_figures, pct, pct_ci, ratio_ci, stats
 from plots import ecdf_svg
 
@@ -144,13 +145,19 @@ def webhook_sharing(d: dict | None, md: list[str], summary: dict) -> None:
     summary["webhook_sharing"] = rows
 
 
-def load_samples(run: Path, r: dict) -> dict | None:
-    """The per-request milliseconds by kind a result kept (`raw_samples`), if it kept them."""
+def load_kept(run: Path, r: dict) -> dict | None:
+    """What a result kept (`raw_samples`, gzipped JSON), if it kept it."""
     name = r.get("raw_samples")
     if not name or not (run / name).exists():
         return None
     with gzip.open(run / name, "rt") as f:
-        return json.load(f)["ms"]
+        return json.load(f)
+
+
+def load_samples(run: Path, r: dict) -> dict | None:
+    """The per-request milliseconds by kind a result kept (`raw_samples`), if it kept them."""
+    kept = load_kept(run, r)
+    return None if kept is None else kept["ms"]
 
 
 def restat_webhook_apiserver(run: Path, d: dict) -> None:
@@ -583,6 +590,9 @@ def main() -> None:
                   "requests from candidates (by verb) | failover s |\n|---|---|---|---|---|---|---|---|---|")
         idle_ok = True
         for r in d["runs"]:
+            kept = load_kept(run, r)
+            if kept is not None:  # runs kept before the request log keep their stored figures
+                r.update(apilog.figures(kept["requests"]), recomputed=True)
             i, f = r["idle"], r["failover"]
             rows.append({"system": r["system"], "n": r["n"], "lease_s": r["lease_s"],
                          "idle_holder_rps": r3(i["holder_rps_total"]),

@@ -137,6 +137,8 @@ if [ $# -gt 0 ]; then
 fi
 log "history checker tables"
 python3 -m unittest discover -s hack/history -p 'test_*.py'
+log "benchmark report tables (bench/test_*.py)"
+python3 -m unittest discover -s bench -p 'test_*.py'
 seed="${FL_HISTORY_SEED:-$RANDOM}"
 hist_s="${FL_HISTORY_DURATION:-60}"
 hist_k8s="${FL_HISTORY_K8S_VERSION:-$FL_K8S_DEFAULT_VERSION}"

@@ -1594,6 +1594,10 @@ fn fencing_mode_chooses_the_webhook_the_policy_or_both() {
             policy,
             "{mode}: {role:?}"
         );
+        // Webhook mode: it looks for a policy-mode release's index guard before it takes the
+        // lease index's finalizer off the leases.
+        let looks = "list admissionregistration.k8s.io/validatingadmissionpolicies";
+        assert_eq!(role.iter().any(|g| g == looks), !policy, "{mode}: {role:?}");
         let makes = "create admissionregistration.k8s.io/validatingadmissionpolicybindings";
         assert!(!role.iter().any(|g| g == makes), "{mode}: {role:?}");
         assert_eq!(

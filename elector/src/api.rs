@@ -87,15 +87,19 @@ pub const RESOURCE_ANNOTATIONS: [(&str, &str, &str); 4] = [
 ];
 /// Label on the ValidatingAdmissionPolicy objects of the policy mode: a hash of what they say.
 pub const POLICY_LABEL: &str = key!("policy");
+/// Label on the lease index's guard (a ValidatingAdmissionPolicy, `"true"`): its presence says a
+/// release runs policy mode in the cluster (one may), and a controller in webhook mode then
+/// leaves [`LEASE_INDEX_FINALIZER`] to that release's controller.
+pub const INDEX_GUARD_LABEL: &str = key!("index-guard");
 /// Namespace annotation, policy mode: the names of the namespace's FencedLeases, each between
 /// slashes (`/a/b/`), kept by the active controller. The chart's index policy refuses a labelled
 /// write whose lease it does not list; only the controller may change it.
 pub const LEASE_INDEX_ANNOTATION: &str = key!("leases");
 /// Finalizer on FencedLeases, policy mode: the active controller puts it on a lease before its
 /// namespace's lease index lists it, and takes it off a deleted lease only once the index no
-/// longer lists it. So a lease deleted while no controller runs stays (terminating, its
-/// generation raised by the deletion, so every token handed out is stale) until one does, and a
-/// write naming it is never let through unchecked. A controller in webhook mode takes it off.
+/// longer lists it. So a lease deleted while no controller runs stays, being deleted, until one
+/// does: a lease being deleted elects nobody and the fence refuses every write it would judge.
+/// A controller in webhook mode takes it off, unless a release runs policy mode.
 pub const LEASE_INDEX_FINALIZER: &str = key!("lease-index");
 /// Annotation on the webhook's certificate Secret: when its serving certificate expires.
 pub const NOT_AFTER_ANNOTATION: &str = key!("not-after");

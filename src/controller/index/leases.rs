@@ -106,6 +106,13 @@ pub(crate) struct Plan {
     pub(crate) release: Vec<String>,
 }
 
+/// Whether `old` is a later version of the lease than `new` (resourceVersions compared as the
+/// numbers Kubernetes' etcd makes them; unreadable ones are never later).
+fn newer(old: &Seen, new: &Seen) -> bool {
+    let num = |s: &Seen| s.resource_version.as_deref()?.parse::<u64>().ok();
+    matches!((num(old), num(new)), (Some(o), Some(n)) if o > n)
+}
+
 /// What a watch event changed.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Changed {
@@ -173,6 +180,9 @@ impl LeaseNames {
         let leases = self.leases.entry(ns.clone()).or_default();
         let (before, after) = if present {
             let seen = Seen::of(m);
+            if leases.get(&name).is_some_and(|old| newer(old, &seen)) {
+                return Changed::Nothing; // an event older than what a patch's answer told us
+            }
             let after = Some(seen.state());
             (leases.insert(name, seen).map(|s| s.state()), after)
         } else {
@@ -374,6 +384,10 @@ pub(super) mod tests {
                 .and_then(|s| s.resource_version.as_deref()),
             Some("2")
         );
+        // An event older than what is known (a patch's answer came first): ignored.
+        let older = lease("shop", "inv", "1", false, false);
+        assert_eq!(n.apply(&Event::Apply(older)), Changed::Nothing);
+        assert!(n.get("shop", "inv").is_some_and(|s| s.guarded()));
         // The finalizer taken off by someone, or the deletion begun: work.
         for (guarded, deleting) in [(false, false), (true, true)] {
             let m = lease("shop", "inv", "3", guarded, deleting);

@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
@@ -31,7 +32,9 @@ use kube::{Api, Client};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::api::{FencedLease, FIELD_MANAGER, LEASE_INDEX_ANNOTATION, LEASE_INDEX_FINALIZER};
+use crate::api::{
+    FencedLease, FIELD_MANAGER, INDEX_GUARD_LABEL, LEASE_INDEX_ANNOTATION, LEASE_INDEX_FINALIZER,
+};
 use leases::{Changed, LeaseNames, Seen};
 pub(crate) use leases::{Role, INDEX_MAX_BYTES};
 
@@ -115,6 +118,15 @@ struct Indexer {
     failing: BTreeMap<String, (u32, Instant)>,
     /// How many names each full namespace's index left out, when last said.
     full: BTreeMap<String, usize>,
+    /// Webhook mode: whether another release's policy mode was last seen (said once).
+    deferring: bool,
+}
+
+/// How a namespace's work ended.
+enum Settled {
+    Done,
+    /// Webhook mode, with a release in policy mode: its controller keeps the finalizer.
+    Deferred,
 }
 
 impl Indexer {
@@ -130,6 +142,7 @@ impl Indexer {
             flush_at: None,
             failing: BTreeMap::new(),
             full: BTreeMap::new(),
+            deferring: false,
         }
     }
 
@@ -168,8 +181,13 @@ impl Indexer {
                 continue;
             }
             match self.settle(&ns).await {
-                Ok(()) => {
+                Ok(Settled::Done) => {
                     self.failing.remove(&ns);
+                }
+                Ok(Settled::Deferred) => {
+                    // Looked at again later: the other release may leave policy mode.
+                    self.failing.insert(ns.clone(), (0, now + INDEX_RETRY_MAX));
+                    self.dirty.insert(ns);
                 }
                 Err(e) => self.failed(ns, &e),
             }
@@ -190,8 +208,14 @@ impl Indexer {
 
     /// Namespace `ns`'s work, in the order that never lists a lease that could vanish unseen:
     /// the finalizer put on new leases, the index written, the finalizer taken off deleted ones.
-    async fn settle(&mut self, ns: &str) -> Result<(), kube::Error> {
+    async fn settle(&mut self, ns: &str) -> Result<Settled, kube::Error> {
         let plan = self.leases.plan(ns, self.role);
+        if self.role == Role::Release
+            && !plan.release.is_empty()
+            && self.policy_mode_elsewhere().await?
+        {
+            return Ok(Settled::Deferred);
+        }
         for name in &plan.guard {
             self.set_finalizer(ns, name, true).await?;
         }
@@ -201,7 +225,28 @@ impl Indexer {
         for name in &plan.release {
             self.set_finalizer(ns, name, false).await?;
         }
-        Ok(())
+        Ok(Settled::Done)
+    }
+
+    /// Webhook mode: whether a release runs policy mode in the cluster (its lease index guard
+    /// exists). Its controller keeps the finalizer, which this one must then leave alone: taken
+    /// off while that controller is down, a deleted lease would vanish while still listed. A
+    /// server without admission policies has no policy mode.
+    async fn policy_mode_elsewhere(&mut self) -> Result<bool, kube::Error> {
+        let api: Api<ValidatingAdmissionPolicy> = Api::all(self.client.clone());
+        let guards = ListParams::default()
+            .labels(&format!("{INDEX_GUARD_LABEL}=true"))
+            .limit(1);
+        let found = match api.list_metadata(&guards).await {
+            Ok(l) => !l.items.is_empty(),
+            Err(kube::Error::Api(s)) if s.code == 404 => false,
+            Err(e) => return Err(e),
+        };
+        if found && !self.deferring {
+            info!("a release runs policy mode in this cluster (its lease index guard exists): leaving the finalizer {LEASE_INDEX_FINALIZER} on the leases to its controller");
+        }
+        self.deferring = found;
+        Ok(found)
     }
 
     /// Counts a failed try at namespace `ns`, says so at the 1st, 2nd, 4th ... in a row, and
@@ -468,14 +513,25 @@ mod tests {
         );
         script.finish();
 
-        // Webhook mode: the finalizer comes off a live lease too, and no index is read or written.
-        let script = Script::new(vec![Step::new(
-            Method::PATCH,
-            &new,
-            200,
-            lease_answer("new", "3", false, false),
-        )
-        .body(finalizers("2", false))]);
+        // Webhook mode: with no release in policy mode (no index guard), the finalizer comes
+        // off a live lease too, and no index is read or written.
+        const GUARDS: &str = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies";
+        let guards = |n: usize| {
+            let item = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                "metadata": {"name": "other-fencedlease-fencing-index-guard"}});
+            serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                "metadata": {}, "items": vec![item; n]})
+        };
+        let script = Script::new(vec![
+            Step::new(Method::GET, GUARDS, 200, guards(0)),
+            Step::new(
+                Method::PATCH,
+                &new,
+                200,
+                lease_answer("new", "3", false, false),
+            )
+            .body(finalizers("2", false)),
+        ]);
         let mut ix = Indexer::new(script.client(), None, Role::Release);
         ix.seen(&Event::Apply(lease("shop", "new", "2", true, false)));
         ix.seen(&Event::Apply(lease("shop", "bare", "1", false, false)));
@@ -485,6 +541,20 @@ mod tests {
             "{:?}",
             ix.failing
         );
+        script.finish();
+
+        // Another release runs policy mode (its guard exists): its controller keeps the
+        // finalizer, and this one leaves it, to look again later.
+        let script = Script::new(vec![Step::new(Method::GET, GUARDS, 200, guards(1))]);
+        let mut ix = Indexer::new(script.client(), None, Role::Release);
+        ix.seen(&Event::Apply(lease("shop", "new", "2", true, true)));
+        ix.flush().await;
+        assert!(
+            ix.dirty.contains("shop") && ix.failing["shop"].0 == 0,
+            "{:?}",
+            ix.failing
+        );
+        assert!(ix.flush_at.is_some(), "looked at again");
         script.finish();
     }
 }
