@@ -557,4 +557,38 @@ mod tests {
         assert!(ix.flush_at.is_some(), "looked at again");
         script.finish();
     }
+
+    /// A finalizer patch that conflicts (the lease changed since it was seen: a renewal, say)
+    /// reads the lease again and patches on the version read; if the lease is being deleted by
+    /// then, no finalizer may be added, and none is: the lease is not listed.
+    #[tokio::test]
+    async fn a_conflicting_finalizer_patch_reads_again_and_a_lease_being_deleted_is_left() {
+        use super::super::fixtures::{Script, Step};
+        use hyper::Method;
+        const NS: &str = "/api/v1/namespaces/shop";
+        const LEASES: &str = "/apis/fencedlease.io/v1alpha1/namespaces/shop/fencedleases";
+        let (a, b) = (format!("{LEASES}/a"), format!("{LEASES}/b"));
+        let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+        let script = Script::new(vec![
+            Step::new(Method::PATCH, &a, 409, conflict.clone()).body(finalizers("1", true)),
+            Step::new(Method::GET, &a, 200, lease_answer("a", "5", false, false)),
+            Step::new(Method::PATCH, &a, 200, lease_answer("a", "6", true, false))
+                .body(finalizers("5", true)),
+            Step::new(Method::PATCH, &b, 409, conflict).body(finalizers("1", true)),
+            Step::new(Method::GET, &b, 200, lease_answer("b", "7", false, true)),
+            Step::new(Method::GET, NS, 200, shop("7", "/")),
+            Step::new(Method::PATCH, NS, 200, shop("8", "/a/")).body(on_version("7", "/a/")),
+        ]);
+        let mut ix = Indexer::new(script.client(), None, Role::Keep);
+        ix.seen(&Event::Apply(lease("shop", "a", "1", false, false)));
+        ix.seen(&Event::Apply(lease("shop", "b", "1", false, false)));
+        ix.flush().await;
+        assert!(
+            ix.dirty.is_empty() && ix.failing.is_empty(),
+            "{:?}",
+            ix.failing
+        );
+        script.finish();
+    }
 }
