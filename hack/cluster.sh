@@ -9,13 +9,16 @@
 #   hack/cluster.sh down      stop every process and free the ports (logs are kept)
 #   hack/cluster.sh status    say whether it answers
 #   hack/cluster.sh env       print `export KUBECONFIG=...` for eval
-#   hack/cluster.sh restart COMPONENT [hard]   restart etcd, kube-apiserver or
+#   hack/cluster.sh restart COMPONENT [hard]   restart etcd, kube-apiserver, kube-apiserver-2 or
 #                             kube-controller-manager with its data (a crash and recovery)
 #
 # Everything lives in $FENCEDLEASE_CLUSTER_DIR (default /tmp/fencedlease-cluster):
 #   kubeconfig, pki/, logs/{etcd,kube-apiserver,kube-controller-manager}.log, pids/.
 # Ports (override with the variables): etcd $FL_ETCD_PORT (12379) and $FL_ETCD_PEER_PORT
 # (12380), kube-apiserver $FL_APISERVER_PORT (16443), controller-manager $FL_KCM_PORT (16257).
+# A second API server: with $FL_APISERVER2_PORT set, kube-apiserver-2 runs on that port beside the
+# first, on the same etcd with the same flags and pki (its own log, pid file and audit log
+# logs/audit-2.log, its kubeconfig $FENCEDLEASE_CLUSTER_DIR/kubeconfig-2); unset, there is one.
 # Version: FL_K8S_VERSION (default: hack/lib.sh's FL_K8S_DEFAULT_VERSION, the newest release we
 # build; 1.20.2 is the oldest we support), built by hack/k8s-binaries.sh; with KUBEBUILDER_ASSETS,
 # whatever version those binaries are. The flags follow the version the kube-apiserver binary
@@ -33,15 +36,18 @@ ETCD_PORT="${FL_ETCD_PORT:-12379}"
 ETCD_PEER_PORT="${FL_ETCD_PEER_PORT:-12380}"
 API_PORT="${FL_APISERVER_PORT:-16443}"
 KCM_PORT="${FL_KCM_PORT:-16257}"
+API2_PORT="${FL_APISERVER2_PORT:-}"
 KUBECONFIG_PATH="$DIR/kubeconfig"
 RETRY="hack/cluster.sh down && hack/cluster.sh up"   # what to try when a start fails
-COMPONENTS=(kube-controller-manager kube-apiserver etcd)
+# In stopping order; `down` stops those with a pid file (kube-apiserver-2 only when it ran).
+COMPONENTS=(kube-controller-manager kube-apiserver-2 kube-apiserver etcd)
 
+# healthy: every API server this cluster has (the second one when FL_APISERVER2_PORT is set)
+# answers readyz.
 healthy() {
   [ -f "$KUBECONFIG_PATH" ] && [ -f "$DIR/pki/admin.token" ] || return 1
-  curl -fsS --max-time 2 --cacert "$DIR/pki/ca.crt" \
-    -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" \
-    "https://127.0.0.1:$API_PORT/readyz" >/dev/null 2>&1
+  healthy_probe "$API_PORT" >/dev/null 2>&1 || return 1
+  [ -z "$API2_PORT" ] || healthy_probe "$API2_PORT" >/dev/null 2>&1
 }
 
 down() {
@@ -109,14 +115,15 @@ pki() {
   } >"$p/tokens.csv"
 }
 
-kubeconfig() {
-  cat >"$KUBECONFIG_PATH" <<KC
+kubeconfig() { # [PATH PORT]: the admin's kubeconfig for the API server on PORT
+  local path="${1:-$KUBECONFIG_PATH}" port="${2:-$API_PORT}"
+  cat >"$path" <<KC
 apiVersion: v1
 kind: Config
 clusters:
 - name: fencedlease-local
   cluster:
-    server: https://127.0.0.1:$API_PORT
+    server: https://127.0.0.1:$port
     certificate-authority-data: $(base64 -w0 <"$DIR/pki/ca.crt")
 users:
 - name: admin
@@ -127,7 +134,7 @@ contexts:
   context: {cluster: fencedlease-local, user: admin, namespace: default}
 current-context: fencedlease-local
 KC
-  chmod 600 "$KUBECONFIG_PATH"
+  chmod 600 "$path"
 }
 
 up() {
@@ -147,11 +154,11 @@ up() {
   fi
   down
   minor=$(binary_minor "$bins/kube-apiserver")
-  for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT"; do
+  for port in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$KCM_PORT" $API2_PORT; do
     port_free "$port" || die "port $port on 127.0.0.1 is taken by another program (see: ss -ltnp 'sport = :$port'); stop it or set FL_*_PORT"
   done
   rm -rf "$DIR/etcd" "$DIR/pki" "$DIR/pids" "$DIR/cmd"
-  rm -f "$DIR"/logs/*.log
+  rm -f "$DIR"/logs/*.log "$DIR/kubeconfig-2"
   mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd"
   chmod 700 "$DIR/etcd"
   echo "$bins" >"$DIR/bin-dir"
@@ -164,12 +171,18 @@ up() {
     --unsafe-no-fsync=false --quota-backend-bytes=4294967296
   wait_for etcd 60 "$DIR/logs/etcd.log" "$DIR/pids/etcd" "$RETRY" curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
 
-  local audit=()
-  if [ -n "${FL_AUDIT_POLICY:-}" ]; then
-    [ -f "$FL_AUDIT_POLICY" ] || die "FL_AUDIT_POLICY=$FL_AUDIT_POLICY: no such file"
-    audit=(--audit-policy-file="$FL_AUDIT_POLICY" --audit-log-path="$DIR/logs/audit.log"
-      --audit-log-mode=blocking --audit-log-format=json --audit-log-maxsize=100000)
+  # audit_flags LOG: the audit flags (none without FL_AUDIT_POLICY), each API server its own log.
+  if [ -n "${FL_AUDIT_POLICY:-}" ] && [ ! -f "$FL_AUDIT_POLICY" ]; then
+    die "FL_AUDIT_POLICY=$FL_AUDIT_POLICY: no such file"
   fi
+  audit_flags() {
+    [ -n "${FL_AUDIT_POLICY:-}" ] || return 0
+    printf '%s\n' --audit-policy-file="$FL_AUDIT_POLICY" --audit-log-path="$DIR/logs/$1" \
+      --audit-log-mode=blocking --audit-log-format=json --audit-log-maxsize=100000
+  }
+  local audit=() audit2=()
+  mapfile -t audit < <(audit_flags audit.log)
+  mapfile -t audit2 < <(audit_flags audit-2.log)
   # Flags that exist only in some versions. The insecure ports (--insecure-port on
   # kube-apiserver, --port on kube-controller-manager) were gone by 1.24; in 1.20 they default
   # to open HTTP ports (8080, 10252) that would collide between clusters, so 0 turns them off.
@@ -187,19 +200,27 @@ up() {
   fi
   # ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) is GA and on by default from
   # 1.30; nothing to enable. Older servers simply lack it.
-  log "starting kube-apiserver v1.$minor on 127.0.0.1:$API_PORT"
-  start kube-apiserver "$bins/kube-apiserver" \
-    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --secure-port="$API_PORT" --bind-address=127.0.0.1 --advertise-address=127.0.0.1 "${api_version_flags[@]}" \
+  # The flags every API server of this cluster shares: all but its port and audit log.
+  local api_flags=(--etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 "${api_version_flags[@]}" \
     --cert-dir="$DIR/pki" --tls-cert-file="$DIR/pki/apiserver.crt" --tls-private-key-file="$DIR/pki/apiserver.key" \
     --client-ca-file="$DIR/pki/ca.crt" \
     --service-cluster-ip-range=10.0.0.0/24 --authorization-mode=RBAC \
     --token-auth-file="$DIR/pki/tokens.csv" \
     --service-account-issuer=https://kubernetes.default.svc \
     --service-account-key-file="$DIR/pki/sa.pub" --service-account-signing-key-file="$DIR/pki/sa.key" \
-    --enable-aggregator-routing=true --allow-privileged=true "${audit[@]}"
-  wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" "$DIR/pids/kube-apiserver" "$RETRY" healthy_probe
+    --enable-aggregator-routing=true --allow-privileged=true)
+  log "starting kube-apiserver v1.$minor on 127.0.0.1:$API_PORT"
+  start kube-apiserver "$bins/kube-apiserver" --secure-port="$API_PORT" "${api_flags[@]}" "${audit[@]}"
+  wait_for kube-apiserver 120 "$DIR/logs/kube-apiserver.log" "$DIR/pids/kube-apiserver" "$RETRY" healthy_probe "$API_PORT"
   kubeconfig
+  if [ -n "$API2_PORT" ]; then
+    # After the first is ready, so that the two do not race to bootstrap the same objects.
+    log "starting kube-apiserver-2 v1.$minor on 127.0.0.1:$API2_PORT (same etcd)"
+    start kube-apiserver-2 "$bins/kube-apiserver" --secure-port="$API2_PORT" "${api_flags[@]}" "${audit2[@]}"
+    wait_for kube-apiserver-2 120 "$DIR/logs/kube-apiserver-2.log" "$DIR/pids/kube-apiserver-2" "$RETRY" healthy_probe "$API2_PORT"
+    kubeconfig "$DIR/kubeconfig-2" "$API2_PORT"
+  fi
 
   # Each controller acts as its own ServiceAccount in kube-system (as kubeadm sets it up), so
   # the fencing webhook's exemptions for Kubernetes' own writers are tested as users meet them.
@@ -216,21 +237,21 @@ up() {
   log "local Kubernetes $("$bins/kube-apiserver" --version | cut -d' ' -f2) is up: export KUBECONFIG=$KUBECONFIG_PATH (logs: $DIR/logs)"
 }
 
-healthy_probe() {
+healthy_probe() { # PORT
   curl -fsS --max-time 2 --cacert "$DIR/pki/ca.crt" \
-    -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" "https://127.0.0.1:$API_PORT/readyz"
+    -H "Authorization: Bearer $(cat "$DIR/pki/admin.token")" "https://127.0.0.1:$1/readyz"
 }
 
 case "${1:-}" in
   up) up ;;
   down) down ;;
   status)
-    if healthy; then echo "running: export KUBECONFIG=$KUBECONFIG_PATH"; else echo "not running (start: hack/cluster.sh up)"; exit 1; fi ;;
+    if healthy; then echo "running${API2_PORT:+ (two API servers: $API_PORT and $API2_PORT)}: export KUBECONFIG=$KUBECONFIG_PATH"; else echo "not running (start: hack/cluster.sh up)"; exit 1; fi ;;
   env) echo "export KUBECONFIG=$KUBECONFIG_PATH" ;;
   restart)
     case "${2:-}" in
-      etcd|kube-apiserver|kube-controller-manager) restart "$2" "${3:-}" ;;
-      *) echo "usage: $0 restart etcd|kube-apiserver|kube-controller-manager [hard]" >&2; exit 2 ;;
+      etcd|kube-apiserver|kube-apiserver-2|kube-controller-manager) restart "$2" "${3:-}" ;;
+      *) echo "usage: $0 restart etcd|kube-apiserver|kube-apiserver-2|kube-controller-manager [hard]" >&2; exit 2 ;;
     esac ;;
   *) echo "usage: $0 up|down|status|env|restart COMPONENT [hard]" >&2; exit 2 ;;
 esac
