@@ -6,7 +6,11 @@ The oracle is the lease's history in server order: every spec write the API serv
 holds (its answer time), joined with what the harness's resuming watch saw (its arrival time).
 For each generation the lease reached, the earliest of those times is when it was known to
 have been reached. A write is stale when its token is lower than a generation its lease had
-reached before the write was sent."""
+reached before the write was sent.
+
+With two API servers on one etcd, each writes an audit log of its own; merge_audit joins them
+into one history (resourceVersions are etcd revisions, one order across the servers) and
+counts, per server, the protected writes it accepted and those the fence refused."""
 import bisect
 import datetime
 import json
@@ -67,6 +71,47 @@ def parse_audit(lines, name):
             if p:
                 points.append(p)
     return points, blind
+
+
+def served(lines):
+    """{"accepted": n, "refused": n}: the writes to the protected ConfigMaps (the history shards
+    and the blind object, in the history namespace) that an API server stored, and those it
+    refused because the fencing webhook denied them."""
+    accepted = refused = 0
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a SIGKILL of the API server
+        obj = e.get("objectRef") or {}
+        name = obj.get("name") or ""
+        if (e.get("stage") != "ResponseComplete" or obj.get("resource") != "configmaps"
+                or obj.get("namespace") != "history" or e.get("verb") not in ("update", "patch")
+                or not (name == "blind" or name.startswith("history-"))):
+            continue
+        status = e.get("responseStatus") or {}
+        if status.get("code", 0) < 300:
+            accepted += 1
+        elif "denied the request" in status.get("message", ""):
+            refused += 1
+    return {"accepted": accepted, "refused": refused}
+
+
+def merge_audit(logs, name):
+    """(lease points, blind items stored, {server: served()}) from {server: audit log lines}:
+    each server's points tagged with it, all of them in server order (resourceVersion, then
+    time), so that the oracle's checks see one history whichever server answered."""
+    points, blind, per_server = [], set(), {}
+    for server, lines in logs.items():
+        lines = list(lines)
+        pts, b = parse_audit(lines, name)
+        for p in pts:
+            p["server"] = server
+        points += pts
+        blind |= b
+        per_server[server] = served(lines)
+    points.sort(key=lambda p: (p["rv"], p["t"]))
+    return points, blind, per_server
 
 
 def build_oracle(points):
@@ -344,8 +389,10 @@ def by_worker(judged, stored, stale):
     return out
 
 
-def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=frozenset(), fault_log=()):
-    """The summary of a run; its `checks` say pass or why not."""
+def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=frozenset(), fault_log=(),
+          servers=None):
+    """The summary of a run; its `checks` say pass or why not. `servers`: merge_audit's counts
+    per API server, when the run had more than one."""
     reached, oracle_problems = build_oracle(points)
     stale = Staleness(reached)
     landed, lost, object_violations = check_objects(ops, objects, blind_stored)
@@ -380,6 +427,12 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
             if not any(f == k or f.startswith(k + "_") and not f.endswith("_failed") for f in faults)],
         "some writes accepted": [] if any(o["verdict"] == "accepted" for o in ops) else ["none: the run proves nothing"],
     }
+    if servers and len(servers) > 1:
+        # The fence is judged on every API server: each stored protected writes and refused
+        # stale ones, so that no server's path to the webhook (or around it) went untested.
+        checks["every API server served protected writes and refusals"] = [
+            f"API server {k}: {c['accepted']} accepted, {c['refused']} refused" for k, c in sorted(servers.items())
+            if not (c["accepted"] and c["refused"])]
     return {
         "seed": run.get("seed"), "duration_s": run.get("duration"), "fenced": run.get("fenced", True),
         "faults": faults, "fault_total": sum(faults.values()), "fault_targets": fault_hits(fault_log, points),
@@ -398,6 +451,8 @@ def check(run, ops, objects, points, min_stale, reads_failed=0, blind_stored=fro
                    "watch_relists": run.get("watch_relists", 0), "watch_errors": run.get("watch_errors", {})},
         "tokens_handed_out": len(owners),
         "takeovers": takeovers(points),
+        **({"apiservers": {k: dict(run.get("apiservers", {}).get(k, {}), protected_writes=c)
+                           for k, c in sorted(servers.items())}} if servers else {}),
         "checks": {k: ("pass" if not v else "FAIL: " + "; ".join(v)) for k, v in checks.items()},
     }
 
@@ -407,11 +462,16 @@ def recheck(out):
     run = json.load(open(os.path.join(out, "run.json")))
     objects = json.load(open(os.path.join(out, "final-objects.json")))
     points = json.load(open(os.path.join(out, "watch-points.json")))
-    with open(os.path.join(out, "audit.log")) as f:
-        audit, blind = parse_audit(f, run["lease"])
+    logs = {}
+    # A run on one API server kept one audit log, named audit.log.
+    for server, name in run.get("audit_logs", {"1": "audit.log"}).items():
+        with open(os.path.join(out, name)) as f:
+            logs[server] = f.readlines()
+    audit, blind, servers = merge_audit(logs, run["lease"])
     ops, reads_failed = load_ops(out)
     faults = [json.loads(line) for line in open(os.path.join(out, "faults.jsonl"))]
-    return check(dict(run, out=out), ops, objects, points + audit, run["min_stale"], reads_failed, blind, faults)
+    return check(dict(run, out=out), ops, objects, points + audit, run["min_stale"], reads_failed, blind, faults,
+                 servers if len(servers) > 1 else None)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,58 @@ class CheckerTables(unittest.TestCase):
         self.assertEqual(sorted(p["gen"] for p in pts if p["src"] == "audit-request"), [3, 3, 3])
         self.assertEqual(blind, set())
 
+    def test_two_audit_logs_merge_into_one_server_order(self):
+        def lease(rv, gen, second):
+            return json.dumps({"stage": "ResponseComplete", "verb": "update", "responseStatus": {"code": 200},
+                               "objectRef": {"resource": "fencedleases", "name": "hist"},
+                               "stageTimestamp": f"2026-12-01T03:00:{second:02d}.000000Z",
+                               "requestReceivedTimestamp": f"2026-12-01T03:00:{second:02d}.000000Z",
+                               "responseObject": {"metadata": {"uid": UID, "generation": gen, "resourceVersion": str(rv)},
+                                                  "spec": {"holderIdentity": "a"}}})
+
+        def blind(item):
+            return json.dumps({"stage": "ResponseComplete", "verb": "patch", "responseStatus": {"code": 200},
+                               "objectRef": {"resource": "configmaps", "namespace": "history", "name": "blind"},
+                               "requestObject": {"data": {"last": item}}})
+        # Generations 1 and 3 went through server 1, 2 through server 2 (whose log is read last).
+        logs = {"1": [lease(5, 1, 1), lease(9, 3, 3), blind("b1")], "2": [lease(7, 2, 2), blind("b2"), "{cut"]}
+        pts, stored, per_server = check.merge_audit(logs, "hist")
+        answers = [(p["rv"], p["gen"], p["server"]) for p in pts if p["src"] == "audit"]
+        self.assertEqual(answers, [(5, 1, "1"), (7, 2, "2"), (9, 3, "1")])
+        self.assertEqual(stored, {"b1", "b2"})
+        self.assertEqual(per_server, {"1": {"accepted": 1, "refused": 0}, "2": {"accepted": 1, "refused": 0}})
+        self.assertEqual(check.build_oracle(pts)[1], [])
+        # Server 2 stored generation 2 at an etcd revision before server 1's generation 1: the
+        # merged history goes down, which neither log shows alone.
+        logs["2"][0] = lease(4, 2, 2)
+        pts, _, _ = check.merge_audit(logs, "hist")
+        self.assertEqual(check.build_oracle(pts)[1], ["lease generation went down in server order: 2 -> 1 at rv 5"])
+
+    def test_every_api_server_must_serve_protected_writes_and_refusals(self):
+        def write(name, code, message="", verb="update", ns="history"):
+            return json.dumps({"stage": "ResponseComplete", "verb": verb,
+                               "objectRef": {"resource": "configmaps", "namespace": ns, "name": name},
+                               "responseStatus": {"code": code, "message": message}})
+        denied = 'admission webhook "fencing.fencedlease.io" denied the request: fencedlease: stale token'
+        lines = [write("history-0", 200), write("blind", 200, verb="patch"), write("history-1", 403, denied),
+                 write("history-1", 409, "the object has been modified"), write("other", 200),
+                 write("history-0", 200, ns="default"), write("history-2", 201, verb="create"), "{cut"]
+        self.assertEqual(check.served(lines), {"accepted": 2, "refused": 1})
+        name = "every API server served protected writes and refusals"
+        ops, objects = [op("a", "i1", 1, 50, "accepted", rv=10)], {"history-0": shard("i1")}
+        cases = [  # (per-server counts, the check's verdict)
+            ({"1": {"accepted": 3, "refused": 2}, "2": {"accepted": 1, "refused": 1}}, "pass"),
+            ({"1": {"accepted": 3, "refused": 2}, "2": {"accepted": 0, "refused": 1}},
+             "FAIL: API server 2: 0 accepted, 1 refused"),
+            ({"1": {"accepted": 3, "refused": 0}, "2": {"accepted": 4, "refused": 1}},
+             "FAIL: API server 1: 3 accepted, 0 refused"),
+            ({"1": {"accepted": 3, "refused": 2}}, None),  # one API server: no such check
+        ]
+        for servers, verdict in cases:
+            with tempfile.TemporaryDirectory() as out:
+                s = check.check({"out": out}, ops, objects, POINTS, 0, servers=servers)
+            self.assertEqual(s["checks"].get(name), verdict, servers)
+
     def test_a_request_that_read_a_generation_fills_the_hole(self):
         points = [point(0, 1, "a"), point(150, 2, None, src="audit-request"), point(200, 3, "a")]
         _, failed = run_check([op("a", "i1", 1, 50, "accepted", rv=10)], {"history-0": shard("i1")},
