@@ -3,8 +3,8 @@
 # blind merge patches, an app that ignores the loss of leadership, apps that stall between
 # taking a token and writing), a nemesis (pauses, kills, webhook/controller/API server/etcd
 # restarts, a fast clock, hung connections, a slowed API server, a network partition) and a
-# checker of the fencing rules over the lease's history from the API server's audit log.
-# Runs on a local Kubernetes of its own, since it restarts it.
+# checker of the fencing rules over the lease's history from the API servers' audit logs.
+# Runs on a local Kubernetes of its own with two API servers on one etcd, since it restarts it.
 #
 #   hack/history.sh --duration S --seed N [--unfenced] [--summary FILE] [--min-stale N]
 #
@@ -39,6 +39,9 @@ apt_install faketime curl openssl iproute2 iptables
 base="${FL_HISTORY_PORT_BASE:-20379}"
 export FENCEDLEASE_CLUSTER_DIR="${FL_HISTORY_CLUSTER_DIR:-/tmp/fencedlease-history-cluster}"
 export FL_ETCD_PORT=$base FL_ETCD_PEER_PORT=$((base + 1)) FL_APISERVER_PORT=$((base + 4064)) FL_KCM_PORT=$((base + 3878))
+# Two API servers on the one etcd (the second one's port next to the first's): the apps, the
+# candidates and the webhook's reads are spread across them (run.py's APP_SERVER).
+export FL_APISERVER2_PORT=$((base + 4065))
 export FL_AUDIT_POLICY="$FL_REPO/hack/history/audit-policy.yaml"
 out="${FL_HISTORY_OUT:-/tmp/fencedlease-history/$seed${unfenced:+-unfenced}}"
 out=$(realpath -m "$out")
@@ -71,5 +74,7 @@ fi
 log "history run: ${duration} s of faults, seed $seed${unfenced:+, UNFENCED}, output in $out"
 python3 hack/history/run.py --bin "$bin" \
   --kubeconfig "$FENCEDLEASE_CLUSTER_DIR/kubeconfig" --audit-log "$FENCEDLEASE_CLUSTER_DIR/logs/audit.log" \
+  --kubeconfig-2 "$FENCEDLEASE_CLUSTER_DIR/kubeconfig-2" --audit-log-2 "$FENCEDLEASE_CLUSTER_DIR/logs/audit-2.log" \
+  --cluster-dir "$FENCEDLEASE_CLUSTER_DIR" \
   --duration "$duration" --seed "$seed" --out "$out" --tag "$base" --min-stale "$min_stale" \
   "${unfenced[@]}" "${summary[@]}"

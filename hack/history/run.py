@@ -2,11 +2,14 @@
 """The history test: apps write to protected ConfigMaps with fencing tokens while a nemesis
 injects faults; the checker (check.py) then judges the history against the fencing rules.
 
-  run.py --bin B --kubeconfig K --audit-log L --duration S --seed N --out DIR
-         [--unfenced [--lose-a-write]] [--min-stale N]
+  run.py --bin B --kubeconfig K --audit-log L --kubeconfig-2 K2 --audit-log-2 L2 --duration S
+         --seed N --out DIR [--unfenced [--lose-a-write]] [--min-stale N]
 
-Expects a local Kubernetes of its own, with auditing of FencedLease writes (hack/history.sh
-brings one up), because the nemesis restarts its API server and etcd. Writes DIR/summary.json
+Expects a local Kubernetes of its own with two API servers on one etcd (K and L: the first's
+kubeconfig and audit log, K2 and L2 the second's), with auditing of FencedLease writes
+(hack/history.sh brings one up), because the nemesis restarts its API servers and etcd. The
+apps and candidates are spread across the two (APP_SERVER, CANDIDATE_SERVER), so that a token
+read through one server fences writes sent through the other. Writes DIR/summary.json
 and exits 1 unless every check passed. --unfenced leaves the webhook out of the path: the
 same workload, and the checker must then fail; --lose-a-write also takes an acknowledged write
 out of its object at the end, and the checker must see that too."""
@@ -61,6 +64,19 @@ MIN_STALE_PER_WRITER = 3
 # the lease, and the first one resumes.
 HOLDER_FAULTS = {"pause_short": 2, "pause_long": 2, "pause_candidate_only": 3, "kill": 2,
                  "handover": 2, "hand_back": 1, "identity_reused": 1}
+# Which API server each app writes through and each candidate campaigns through ("1":
+# kube-apiserver, "2": kube-apiserver-2), each by a front door of its own (w2 through the first's,
+# from its network namespace; w-hang through a hanging relay in front of the second's). Some
+# candidates' apps write through the other server than their candidate's (the sidecar's s-http
+# and s-deaf, w-skew's app), so that a token taken on one server fences writes on the other.
+APP_SERVER = {"w0": "1", "w2": "1", "s-http": "1", "s-deaf": "1", "w-skew": "1",
+              "w1": "2", "s-file": "2", "w-hang": "2"}
+CANDIDATE_SERVER = {"w0": "1", "w2": "1", "w1": "2", "w-skew": "2", "w-sidecar": "2", "w-hang": "2"}
+# The webhook reads leases (and namespaces) from the server fewer apps write through: the write
+# it judges has mostly come through the other, whose watch cache it never sees.
+WRITES_MOSTLY = max(("1", "2"), key=lambda k: sum(v == k for v in APP_SERVER.values()))
+WEBHOOK_SERVER = "2" if WRITES_MOSTLY == "1" else "1"
+CONTROLLER_SERVER = "1"  # the harness (setup, the oracle's watch, handovers) talks to "1" directly
 CLUSTER_FAULTS = {"webhook": 1, "controller": 1, "apiserver": 1, "etcd": 1, "hang": 1, "slow": 1, "partition": 2}
 
 
@@ -188,6 +204,7 @@ class Run:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.api_port = int(self.kube.server.rsplit(":", 1)[1])
+        self.api2_port = int(Kube.from_kubeconfig(a.kubeconfig_2).server.rsplit(":", 1)[1])
         self.shards = int(a.duration // SHARD_SECONDS) + 3
         self.shard_start = time.time() + 60  # set again when the workers start
 
@@ -253,16 +270,18 @@ class Run:
                 "--shard-seconds", str(SHARD_SECONDS), "--shards", str(self.shards), *extra]
         return argv + (["--server", server] if server else [])
 
-    def campaign(self, name, style, kubeconfig=None, server=None, prefix=(), extra_env=None, identity=None):
-        """Starts the candidate `name` (its identity unless `identity` says otherwise) with an app."""
+    def campaign(self, name, style, kubeconfig=None, server=None, prefix=(), extra_env=None, identity=None,
+                 app_kubeconfig=None):
+        """Starts the candidate `name` (its identity unless `identity` says otherwise) with an app
+        (through `app_kubeconfig`, when it writes through another API server than its candidate's)."""
         if identity is None:  # a second process of an identity is no candidate of its own
             self.campaigns[name] = dict(style=style, kubeconfig=kubeconfig, server=server, prefix=prefix,
-                                        extra_env=extra_env)
+                                        extra_env=extra_env, app_kubeconfig=app_kubeconfig)
         env = dict(self.env, KUBECONFIG=kubeconfig or self.front_kc, **(extra_env or {}))
         # The app's clock stays real when the candidate's is faked: its times are compared
         # with the lease's history.
         worker = ["env", "-u", "LD_PRELOAD", "-u", "FAKETIME"] + self.app(name, "env", style, server=server,
-                                                                          kubeconfig=kubeconfig)
+                                                                          kubeconfig=app_kubeconfig or kubeconfig)
         argv = list(prefix) + [self.a.bin, "campaign", "--lease", LEASE, "--namespace", NS,
                                "--identity", identity or name, "--lease-duration", str(LEASE_SECONDS),
                                "--grace-seconds", "1", "--events-file",
@@ -293,9 +312,11 @@ class Run:
         bundle = subprocess.run([self.a.bin, "certs", "--out", certs, "--host", "127.0.0.1"],
                                 check=True, capture_output=True, text=True).stdout.strip()
         port = free_port()
+        # Both API servers call it; it reads through WEBHOOK_SERVER's front door.
         self.start("webhook", [self.a.bin, "webhook", "--listen", f"127.0.0.1:{port}",
                                "--tls-cert", f"{certs}/tls.crt", "--tls-key", f"{certs}/tls.key",
-                               "--metrics-addr", "127.0.0.1:0"])
+                               "--metrics-addr", "127.0.0.1:0"],
+                   env=dict(self.env, KUBECONFIG=self.kc[WEBHOOK_SERVER]))
         if self.a.unfenced:
             say("UNFENCED: the webhook runs but is not registered; stale writes meet no check")
             return
@@ -311,11 +332,14 @@ class Run:
         assert code in (201, 409), out
 
     def network(self):
-        """Everyone but the harness reaches the API server through the front door (which the
-        nemesis slows down); w-hang through a relay that hangs; w2 from its own namespace."""
+        """Everyone but the harness reaches an API server through its front door (which the
+        nemesis slows down); w-hang through a relay that hangs (to the second's); w2 from its
+        own namespace (to the first's)."""
         self.front = Relay(("127.0.0.1", self.api_port)).start()
         self.front_kc = self.kubeconfig_for(self.front.port, "front")
-        self.hang = Relay(("127.0.0.1", self.front.port)).start()
+        self.front2 = Relay(("127.0.0.1", self.api2_port)).start()
+        self.kc = {"1": self.front_kc, "2": self.kubeconfig_for(self.front2.port, "front-2")}
+        self.hang = Relay(("127.0.0.1", self.front2.port)).start()
         self.hang_kc = self.kubeconfig_for(self.hang.port, "hang")
         self.part = Partition(self.a.tag, self.api_port, self.front.port)
         self.start("w2-net", self.part.ns_relay())
@@ -344,18 +368,21 @@ class Run:
         self.env["KUBECONFIG"] = self.front_kc
         self.webhook()
         self.start("controller", [self.a.bin, "controller", "--namespace", NS, "--election-namespace", NS,
-                                  "--identity", "controller-0", "--metrics-addr", "127.0.0.1:0"])
-        time.sleep(2)  # the API server picks the webhook configuration up
+                                  "--identity", "controller-0", "--metrics-addr", "127.0.0.1:0"],
+                   env=dict(self.env, KUBECONFIG=self.kc[CONTROLLER_SERVER]))
+        time.sleep(2)  # the API servers pick the webhook configuration up
         self.shard_start = time.time()
         self.sidecar_pod()
-        self.campaign("w0", "rmw")
-        self.campaign("w1", "blind")
+        kc = lambda name, servers=CANDIDATE_SERVER: self.kc[servers[name]]  # noqa: E731
+        self.campaign("w0", "rmw", kubeconfig=kc("w0"), app_kubeconfig=kc("w0", APP_SERVER))
+        self.campaign("w1", "blind", kubeconfig=kc("w1"), app_kubeconfig=kc("w1", APP_SERVER))
         # Inside its namespace, 127.0.0.1:<API port> is the relay out through the veth pair.
         self.campaign("w2", "rmw", kubeconfig=self.a.kubeconfig, prefix=self.part.inside())
         # libfaketime preloaded directly: the `faketime` wrapper forks, and a SIGSTOP of the
         # candidate would stop only the wrapper.
-        self.campaign("w-skew", "rmw", extra_env={"LD_PRELOAD": faketime_lib(),
-                                                  "FAKETIME": "+{offset_s} x{rate}".format(**check.FAST_CLOCK)})
+        self.campaign("w-skew", "rmw", kubeconfig=kc("w-skew"), app_kubeconfig=kc("w-skew", APP_SERVER),
+                      extra_env={"LD_PRELOAD": faketime_lib(),
+                                 "FAKETIME": "+{offset_s} x{rate}".format(**check.FAST_CLOCK)})
         self.campaign("w-hang", "blind", kubeconfig=self.hang_kc, server=f"https://127.0.0.1:{self.hang.port}")
 
     def sidecar_pod(self):
@@ -366,11 +393,14 @@ class Run:
         url, tokens = f"http://127.0.0.1:{port}", os.path.join(self.out, "sidecar-token")
         self.start("sidecar", [self.a.bin, "sidecar", "--lease", LEASE, "--namespace", NS, "--identity", "w-sidecar",
                                "--listen", f"127.0.0.1:{port}", "--lease-duration", str(LEASE_SECONDS),
-                               "--token-dir", tokens])
+                               "--token-dir", tokens], env=dict(self.env, KUBECONFIG=self.kc[CANDIDATE_SERVER["w-sidecar"]]))
         secret = ["--api-secret-file", os.path.join(tokens, "api-secret")]
-        self.start("s-http", self.app("s-http", f"http:{url}", "rmw", "--gc-pause", "0.1", *secret))
-        self.start("s-file", self.app("s-file", f"file:{tokens}", "blind", "--gc-pause", "0.1"))
-        self.start("s-deaf", self.app("s-deaf", f"http:{url}", "mixed", "--deaf", *secret))
+        self.start("s-http", self.app("s-http", f"http:{url}", "rmw", "--gc-pause", "0.1", *secret,
+                                      kubeconfig=self.kc[APP_SERVER["s-http"]]))
+        self.start("s-file", self.app("s-file", f"file:{tokens}", "blind", "--gc-pause", "0.1",
+                                      kubeconfig=self.kc[APP_SERVER["s-file"]]))
+        self.start("s-deaf", self.app("s-deaf", f"http:{url}", "mixed", "--deaf", *secret,
+                                      kubeconfig=self.kc[APP_SERVER["s-deaf"]]))
         for _ in range(150):
             if check_token(url, secret[1]):
                 return
@@ -677,11 +707,16 @@ class Run:
         elif kind in ("webhook", "controller"):
             if not self.restart(kind, signal.SIGKILL, delay=r.uniform(0.0, 1.5)):
                 return kind + "_failed"
-        elif kind in ("apiserver", "etcd"):
-            comp = "kube-apiserver" if kind == "apiserver" else "etcd"
-            done = sh(os.path.join(REPO, "hack", "cluster.sh"), "restart", comp, "hard")
-            if done.returncode:
-                say(f"restarting {comp} failed: {done.stderr.strip()[-300:]}")
+        elif kind == "apiserver":
+            # Either API server (the seed's choice): apiserver_1 or apiserver_2.
+            server = r.choice(["1", "2"])
+            kind += "_" + server
+            if not self.restart_component("kube-apiserver" if server == "1" else "kube-apiserver-2",
+                                          self.api_port if server == "1" else self.api2_port):
+                return kind + "_failed"
+            time.sleep(r.uniform(0.0, 1.0))
+        elif kind == "etcd":
+            if not self.restart_component("etcd", int(os.environ.get("FL_ETCD_PORT", "12379"))):
                 return kind + "_failed"
             time.sleep(r.uniform(0.0, 1.0))
         elif kind == "hang":
@@ -689,9 +724,9 @@ class Run:
             time.sleep(r.uniform(1.5, 4.0))
             self.hang.frozen.clear()
         elif kind == "slow":
-            self.front.delay = r.uniform(0.1, 0.6)
+            self.front.delay = self.front2.delay = r.uniform(0.1, 0.6)
             time.sleep(r.uniform(2.0, 5.0))
-            self.front.delay = 0.0
+            self.front.delay = self.front2.delay = 0.0
         elif kind == "partition":
             way = r.choice(["both", "in", "out"])
             kind += "_" + way
@@ -703,6 +738,37 @@ class Run:
                 say(f"nemesis: {kind} let a connection through")
                 return kind + "_failed"
         return kind
+
+    def restart_component(self, comp, port):
+        """Kills a control-plane component (hack/cluster.sh restart COMP hard) and starts it
+        again; whether the fault took, as Run.restart tells: the process of its pid file ran
+        before, is gone, and another process serving `port` runs a moment after the start."""
+        pidfile = os.path.join(self.a.cluster_dir, "pids", comp)
+
+        def pid():
+            try:
+                return int(open(pidfile).read().strip())
+            except (OSError, ValueError):
+                return None
+        before = pid()
+        was = before is not None and proc_state(before) not in (None, "Z", "X")
+        done = sh(os.path.join(REPO, "hack", "cluster.sh"), "restart", comp, "hard")
+        if done.returncode:
+            say(f"restarting {comp} failed: {done.stderr.strip()[-300:]}")
+            return False
+        time.sleep(0.5)
+        after = pid()
+        try:
+            with open(f"/proc/{after}/cmdline", "rb") as f:
+                serves = f":{port}" in f.read().decode(errors="replace")
+        except (OSError, TypeError):
+            serves = False
+        came_back = after not in (None, before) and proc_state(after) not in (None, "Z", "X") and serves
+        gone = before is None or proc_state(before) in (None, "Z", "X")
+        if not (was and gone and came_back):
+            say(f"restart of {comp}: it ran before: {was}; the old process is gone: {gone}; "
+                f"a new one serves :{port}: {came_back}")
+        return was and gone and came_back
 
     # run -------------------------------------------------------------------------------
     def run(self):
@@ -781,6 +847,13 @@ class Run:
         objects = {n: self.final(f"{CMS}/{n}") for n in [f"history-{i}" for i in range(self.shards)] + ["blind"]}
         self.note(self.final(f"{LEASES}/{LEASE}"))
         shutil.copy(self.a.audit_log, os.path.join(self.out, "audit.log"))
+        shutil.copy(self.a.audit_log_2, os.path.join(self.out, "audit-2.log"))
+        servers = {k: {"port": port, "audit_log": log,
+                       "apps": sorted(n for n, v in APP_SERVER.items() if v == k),
+                       "candidates": sorted(c for c, v in CANDIDATE_SERVER.items() if v == k),
+                       "webhook_reads": WEBHOOK_SERVER == k, "controller": CONTROLLER_SERVER == k,
+                       "harness": k == "1"}
+                   for k, port, log in (("1", self.api_port, "audit.log"), ("2", self.api2_port, "audit-2.log"))}
         run = {"seed": self.a.seed, "duration": self.a.duration, "fenced": not self.a.unfenced, "lease": LEASE,
                "faults": self.faults, "fault_kinds": sorted([*HOLDER_FAULTS, *CLUSTER_FAULTS]),
                "candidates": CANDIDATES, "stale_writers": STALE_WRITERS,
@@ -788,7 +861,8 @@ class Run:
                "lost_on_purpose": getattr(self, "lost_on_purpose", None),
                "watch_relists": self.watch_relists, "watch_errors": self.watch_errors,
                "fast_clock": check.FAST_CLOCK,
-               "min_stale": self.a.min_stale}
+               "min_stale": self.a.min_stale,
+               "audit_logs": {k: v["audit_log"] for k, v in servers.items()}, "apiservers": servers}
         for name, value in (("run.json", run), ("watch-points.json", self.points), ("final-objects.json", objects)):
             json.dump(value, open(os.path.join(self.out, name), "w"))
         self.fault_log.close()
@@ -836,6 +910,10 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--kubeconfig", required=True)
     ap.add_argument("--audit-log", required=True)
+    ap.add_argument("--kubeconfig-2", required=True, help="the second API server's kubeconfig")
+    ap.add_argument("--audit-log-2", required=True, help="the second API server's audit log")
+    ap.add_argument("--cluster-dir", default=os.environ.get("FENCEDLEASE_CLUSTER_DIR", "/tmp/fencedlease-cluster"),
+                    help="hack/cluster.sh's folder (its pid files tell whether a restart took)")
     ap.add_argument("--duration", type=float, default=90)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
