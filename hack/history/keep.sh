@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Keeps a history run in the repository: its summary as is, and everything the checker reads
-# (the apps' ops, the candidates' events, the audit log, the watch's points, the final objects,
+# (the apps' ops, the candidates' events, the audit logs, the watch's points, the final objects,
 # the fault log) plus the console output, compressed.
 #
 #   hack/history/keep.sh RUN_DIR DEST_DIR [CONSOLE_LOG]
@@ -14,5 +14,5 @@ mkdir -p "$dest"
 cp "$run/summary.json" "$dest/summary.json"
 [ -n "${3:-}" ] && cp "$3" "$run/console.log"
 (cd "$run" && tar -cf - summary.json run.json final-objects.json watch-points.json faults.jsonl audit.log \
-  ops-*.jsonl ./*.events $( [ -f console.log ] && echo console.log )) | xz -9 -T2 >"$dest/raw.tar.xz"
+  ops-*.jsonl ./*.events $( [ -f audit-2.log ] && echo audit-2.log ) $( [ -f console.log ] && echo console.log )) | xz -9 -T2 >"$dest/raw.tar.xz"
 echo "kept $run in $dest: $(du -h "$dest/raw.tar.xz" | cut -f1) compressed"
