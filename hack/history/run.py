@@ -760,7 +760,9 @@ class Run:
         after = pid()
         try:
             with open(f"/proc/{after}/cmdline", "rb") as f:
-                serves = f":{port}" in f.read().decode(errors="replace")
+                args = f.read().decode(errors="replace").split("\0")
+            # --secure-port=P (an API server), --listen-client-urls=http://127.0.0.1:P (etcd)
+            serves = any(arg.endswith((f"={port}", f":{port}")) for arg in args)
         except (OSError, TypeError):
             serves = False
         came_back = after not in (None, before) and proc_state(after) not in (None, "Z", "X") and serves
