@@ -179,6 +179,9 @@ pub struct Elector {
     release: Arc<Notify>,
     eligible: watch::Receiver<bool>,
     latest: Option<FencedLease>,
+    /// The lease exists but is being deleted (it waits for a finalizer): nobody may create it
+    /// again until it is gone, so no create is tried until the watch says it is.
+    terminating: bool,
     obs: Option<Observation>,
     tenure: Option<(Tenure, String)>,
     /// How many tenures this participant has had (see [`LeaderState::Leading`]).
@@ -219,6 +222,7 @@ impl Elector {
             release: release.clone(),
             eligible: eligible_rx,
             latest: None,
+            terminating: false,
             obs: None,
             tenure: None,
             tenures: 0,
@@ -336,6 +340,9 @@ impl Elector {
         // has dropped it from the lease index) is gone for the election: its holder stops, and
         // nobody acquires it. Its deletion raised its generation, so no token it handed out
         // still passes the fence, and the fence refuses every write it would judge.
+        self.terminating = obj
+            .as_ref()
+            .is_some_and(|o| o.metadata.deletion_timestamp.is_some());
         let Some(obj) = obj.filter(|o| o.metadata.deletion_timestamp.is_none()) else {
             self.latest = None;
             self.obs = None;
@@ -397,6 +404,9 @@ impl Elector {
                 self.lose("the FencedLease was deleted (or is being deleted)");
             } else if !matches!(*self.state.borrow(), LeaderState::Unknown) {
                 self.publish(LeaderState::Unknown);
+            }
+            if self.terminating {
+                return idle; // the watch's Delete brings the next step
             }
             return self.maybe_create(now).await.unwrap_or(idle);
         };
