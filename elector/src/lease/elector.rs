@@ -30,6 +30,14 @@ use crate::api::{
 const RETRY_BACKOFF: Duration = Duration::from_millis(250);
 /// How long a release may take on shutdown.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The tracing target of the elector's timeline, for telling where a takeover's time went: a
+/// DEBUG event when this participant's observation of the lease restarts (`observed`: a change
+/// of holder, token or renewal reached it, the moment its expiry countdown starts from), and
+/// one per answer to an acquiring write and to a renewal, with wall-clock times in
+/// microseconds since the Unix epoch (the holder's `status.renewTime` is on the same clock
+/// when both run on one machine). A few events per renewal interval; off unless a filter
+/// enables it, e.g. `RUST_LOG=warn,fencedlease_elector::timeline=debug`.
+const TIMELINE: &str = "fencedlease_elector::timeline";
 
 /// Why an elector could not be made, or stopped campaigning.
 #[derive(Debug, thiserror::Error)]
@@ -353,8 +361,18 @@ impl Elector {
                 return; // an older event than what a write already told us
             }
         }
-        let activity = activity_of(&obj);
-        self.obs = Some(Observation::observe(self.obs.as_ref(), activity, now));
+        let obs = Observation::observe(self.obs.as_ref(), activity_of(&obj), now);
+        if self.obs.as_ref() != Some(&obs) {
+            debug!(
+                target: TIMELINE,
+                at_us = wall_us(),
+                holder = obs.activity.holder.as_deref().unwrap_or(""),
+                token = obs.activity.generation,
+                renew_us = renew_us(&obj),
+                "observed"
+            );
+        }
+        self.obs = Some(obs);
         self.latest = Some(obj);
     }
 
@@ -599,12 +617,20 @@ impl Elector {
         // The preferred holder had its chance (or is us): clear it so nobody steps down again.
         desired.spec.preferred_holder = None;
         let sent = clock::now();
+        let sent_us = wall_us();
         let res = timeout(
             timing.lease_duration,
             self.api
                 .replace(&self.cfg.lease, &PostParams::default(), &desired),
         )
         .await;
+        debug!(
+            target: TIMELINE,
+            sent_us,
+            answered_us = wall_us(),
+            outcome = answer_label(&res),
+            "acquire answered"
+        );
         match res {
             Ok(Ok(acquired)) => {
                 let (Some(token), Some(uid)) = (acquired.token(), acquired.metadata.uid.clone())
@@ -715,12 +741,22 @@ impl Elector {
         status.renew_time = Some(MicroTime(wall));
         status.lease_duration_seconds = Some(recorded_seconds(timing.lease_duration));
         let sent = clock::now();
+        let sent_us = wall_us();
         let res = timeout(
             budget,
             self.api
                 .replace_status(&self.cfg.lease, &PostParams::default(), &desired),
         )
         .await;
+        debug!(
+            target: TIMELINE,
+            renew_us = wall.as_microsecond(),
+            first,
+            sent_us,
+            answered_us = wall_us(),
+            outcome = answer_label(&res),
+            "renewal answered"
+        );
         match res {
             Ok(Ok(renewed)) => {
                 self.last_renew_wall = Some(wall);
@@ -827,6 +863,33 @@ pub fn observer_duration(lease: &FencedLease, own: Duration) -> Duration {
         own,
         lease.holder_lease_duration_seconds().map(lease_seconds),
     )
+}
+
+/// Now on the wall clock, in microseconds since the Unix epoch: the timeline's unit.
+fn wall_us() -> i64 {
+    jiff::Timestamp::now().as_microsecond()
+}
+
+/// `status.renewTime` in microseconds since the Unix epoch (0: none).
+fn renew_us(lease: &FencedLease) -> i64 {
+    lease
+        .status
+        .as_ref()
+        .and_then(|s| s.renew_time.as_ref())
+        .map_or(0, |t| t.0.as_microsecond())
+}
+
+/// How a write's answer came out, for the timeline.
+fn answer_label<T>(
+    res: &Result<Result<T, kube::Error>, tokio::time::error::Elapsed>,
+) -> &'static str {
+    match res {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(kube::Error::Api(s))) if s.code == 409 => "conflict",
+        Ok(Err(kube::Error::Api(s))) if s.code == 404 => "not_found",
+        Ok(Err(_)) => "error",
+        Err(_) => "timed_out",
+    }
 }
 
 fn rv_num(obj: &FencedLease) -> u64 {
