@@ -32,6 +32,12 @@ fencedlease's fenced write) reaches the API server through one delay proxy that 
 every chunk each way. The harness's own reads (the lease's last renewTime, pods) go straight to the
 API server, so the timing is not delayed. The result adds the load's configuration and what it
 achieved (requests/s sent, errors, latency, the API server's CPU) and the proxy's delay.
+
+Under a list-heavy load (issue 38; --load-list-clients N, the result then named
+failover-lists-<scenario>): N closed-loop clients each LIST all of the load namespace's
+ConfigMaps back to back for the whole run (bench/load.py), beside any open-loop load; with no
+--delay-ms the candidates reach the API server straight, without the proxy. Every request of the
+load is kept (samples/<name>-load.json.gz).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from pathlib import Path
 
 import lib
 from lib import Kube, log, now_ns, stats, step
-from load import DelayProxyProcess, LoadGenerator, probe_delay
+from load import CLOSED_LIST, DelayProxyProcess, LoadGenerator, probe_delay
 from systems import (OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, holder_of, is_ours, object_path,
                      peer_timings, renew_time, start_candidate)
 
@@ -325,13 +331,17 @@ def main() -> None:
     ap.add_argument("--load-objects", type=int, default=500, help="under load: ConfigMaps in the load namespace")
     ap.add_argument("--load-object-bytes", type=int, default=1024, help="under load: bytes of data per ConfigMap")
     ap.add_argument("--load-workers", type=int, default=32, help="under load: the load generator's threads")
+    ap.add_argument("--load-list-clients", type=int, default=0,
+                    help="under load: clients each LISTing the load namespace's ConfigMaps back to back "
+                         "(closed loop; the result is then named failover-lists-<scenario>)")
     ap.add_argument("--delay-ms", type=float, default=0,
                     help="under load: every candidate reaches the API server through a proxy adding this "
                          "many ms to each chunk, each way")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    loaded = bool(args.load_writes or args.load_lists or args.delay_ms)
-    name = f"failover-load-{args.scenario}" if loaded else f"failover-{args.scenario}"
+    loaded = bool(args.load_writes or args.load_lists or args.load_list_clients or args.delay_ms)
+    name = (f"failover-lists-{args.scenario}" if args.load_list_clients
+            else f"failover-load-{args.scenario}" if loaded else f"failover-{args.scenario}")
     label = name.replace("-", "/", 1)  # failover/kill, failover/load-kill: for the log
     args.candidate_kubeconfig = args.candidate_api = None
     systems = SYSTEMS
@@ -370,29 +380,7 @@ def main() -> None:
     gen = proxy = None
     load_cfg: dict | None = None
     if loaded:
-        # The delay proxy first (its added latency measured before the load: /version with a
-        # fresh TLS connection, straight vs through it), then the load, running before the
-        # candidates start and until every lane is done.
-        proxy = DelayProxyProcess(args.delay_ms, workdir)
-        args.candidate_api = f"https://127.0.0.1:{proxy.port}"
-        args.candidate_kubeconfig = workdir / "kubeconfig-delayed"
-        workdir.mkdir(parents=True, exist_ok=True)
-        lib.write_kubeconfig(args.candidate_kubeconfig, args.candidate_api, lib.ca_file().read_bytes())
-        probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
-        load_cfg = {"delay_ms_each_way": args.delay_ms,
-                    "delay_how": "loopback TCP relay (a Python process of its own), every chunk held delay_ms "
-                                 "each way, in order; "
-                                 "TLS end to end (the API server's certificate); all candidates of both "
-                                 "systems and fencedlease's fenced write through it; the harness's reads "
-                                 "straight to the API server",
-                    "delay_probe_s": {k: {q: round(v[q], 4) for q in ("p50", "max")} for k, v in probe.items()}}
-        gen = LoadGenerator(args.load_writes, args.load_lists, args.load_objects,
-                            args.load_object_bytes, args.load_workers)
-        step(f"{label}: creating {args.load_objects} ConfigMaps for the load")
-        gen.setup(kube)
-        load_cfg["generator"] = gen.config()
-        gen.start()
-        time.sleep(2)  # let the API server feel it before the first candidate starts
+        gen, proxy, load_cfg = start_load(args, kube, workdir, label)
 
     results: list[dict] = []
     lock = threading.Lock()
@@ -416,18 +404,7 @@ def main() -> None:
                  f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{wh_name}",
                  ok=(200, 404))
     lib.stop_all([wh])
-    load_out = None
-    if gen is not None:
-        # The delay again, with the load still on (the proxy runs in this busy process too).
-        end_probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
-        load_out = {"achieved": gen.stop(), "delay_proxy": proxy.close(),
-                    "delay_probe_s_under_load": {k: {q: round(v[q], 4) for q in ("p50", "max")}
-                                                 for k, v in end_probe.items()}}
-        a = load_out["achieved"]
-        log(f"{label}: load achieved {a['write']['sent_per_s']:.1f} writes/s, {a['list']['sent_per_s']:.1f} "
-            f"lists/s, {a['write']['errors'] + a['list']['errors']} errors, write p99 "
-            f"{(a['write']['latency_from_due_s']['p99'] or 0) * 1000:.0f} ms; CPU s/s {a['cpu_s_per_s']}")
-        gen.cleanup(kube)
+    load_out = stop_load(gen, proxy, kube, label, args.out, name) if gen is not None else None
     controller = None
     if ctl is not None:
         # One revoked_holder_dead per fencedlease trial that got as far as the deletion, and
@@ -453,6 +430,69 @@ def main() -> None:
     finish(args.out, name, out)
 
 
+def start_delay(args, workdir: Path) -> tuple[DelayProxyProcess, dict]:
+    """The delay proxy, which every candidate's kubeconfig and fenced write go through, and its
+    added latency measured before the load (GET /version with a fresh TLS connection, straight
+    vs through it)."""
+    proxy = DelayProxyProcess(args.delay_ms, workdir)
+    args.candidate_api = f"https://127.0.0.1:{proxy.port}"
+    args.candidate_kubeconfig = workdir / "kubeconfig-delayed"
+    workdir.mkdir(parents=True, exist_ok=True)
+    lib.write_kubeconfig(args.candidate_kubeconfig, args.candidate_api, lib.ca_file().read_bytes())
+    probe = {"direct": probe_delay(lib.API_PORT), "through_proxy": probe_delay(proxy.port)}
+    return proxy, {"delay_ms_each_way": args.delay_ms,
+                   "delay_how": "loopback TCP relay (a Python process of its own), every chunk held delay_ms "
+                                "each way, in order; "
+                                "TLS end to end (the API server's certificate); all candidates of both "
+                                "systems and fencedlease's fenced write through it; the harness's reads "
+                                "straight to the API server",
+                   "delay_probe_s": {k: {q: round(v[q], 4) for q in ("p50", "max")} for k, v in probe.items()}}
+
+
+def start_load(args, kube: Kube, workdir: Path, label: str) -> tuple[LoadGenerator, DelayProxyProcess | None, dict]:
+    """The delay proxy first (with --delay-ms), then the load, running before the candidates
+    start and until every lane is done; (the load, the proxy, their configuration)."""
+    proxy, load_cfg = None, {"delay_ms_each_way": 0, "delay_how": "none: the candidates reach the API "
+                                                                  "server straight, as the harness does"}
+    if args.delay_ms:
+        proxy, load_cfg = start_delay(args, workdir)
+    gen = LoadGenerator(args.load_writes, args.load_lists, args.load_objects, args.load_object_bytes,
+                        args.load_workers, list_clients=args.load_list_clients)
+    step(f"{label}: creating {args.load_objects} ConfigMaps for the load")
+    gen.setup(kube)
+    load_cfg["generator"] = gen.config()
+    gen.start()
+    time.sleep(2)  # let the API server feel it before the first candidate starts
+    return gen, proxy, load_cfg
+
+
+def stop_load(gen: LoadGenerator, proxy: DelayProxyProcess | None, kube: Kube, label: str, out_dir: Path,
+              name: str) -> dict:
+    """Stops the load (and the proxy): what it achieved, every request kept, the delay again."""
+    # The delay again, with the load still on.
+    end_probe = {"direct": probe_delay(lib.API_PORT)}
+    if proxy is not None:
+        end_probe["through_proxy"] = probe_delay(proxy.port)
+    load_out = {"achieved": gen.stop(),
+                "delay_probe_s_under_load": {k: {q: round(v[q], 4) for q in ("p50", "max")}
+                                             for k, v in end_probe.items()}}
+    if proxy is not None:
+        load_out["delay_proxy"] = proxy.close()
+    kept = gen.samples()
+    load_out["raw_samples"] = lib.keep_samples(out_dir, f"samples/{name}-load.json.gz", kept["ms"],
+                                               {"requests": kept["requests"]})
+    a = load_out["achieved"]
+    closed = a.get(CLOSED_LIST)
+    errors = sum(a[k]["errors"] for k in ("write", "list", CLOSED_LIST) if k in a)
+    log(f"{label}: load achieved {a['write']['sent_per_s']:.1f} writes/s, {a['list']['sent_per_s']:.1f} lists/s"
+        + (f", {closed['sent_per_s']:.1f} lists/s from {closed['clients']} closed-loop clients (p50 "
+           f"{(closed['latency_from_due_s'].get('p50') or 0) * 1000:.0f} ms)" if closed else "")
+        + f", {errors} errors, write p99 {(a['write']['latency_from_due_s'].get('p99') or 0) * 1000:.0f} ms; "
+        f"CPU s/s {a['cpu_s_per_s']}")
+    gen.cleanup(kube)
+    return load_out
+
+
 def controller_report(ctl: lib.Proc, port: int) -> dict:
     """What the controller did: its lease events by kind (revoked_holder_dead: early
     revocations after a known death), and whether it was alive at the end."""
@@ -464,9 +504,9 @@ def controller_report(ctl: lib.Proc, port: int) -> dict:
 
 
 def finish(out_dir: Path, name: str, out: dict) -> None:
-    """Writes the result (NAME.json: failover-<scenario> or failover-load-<scenario>), logs each
-    system's figures, and fails the benchmark when a system had no successful trial or the
-    controller (if any) died."""
+    """Writes the result (NAME.json: failover-<scenario>, failover-load-<scenario> or
+    failover-lists-<scenario>), logs each system's figures, and fails the benchmark when a system
+    had no successful trial or the controller (if any) died."""
     lib.write_result(out_dir, name, out)
     label = name.replace("-", "/", 1)
     for s, v in out["summary"].items():

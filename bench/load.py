@@ -11,6 +11,10 @@
   (service time). What it achieved is recorded: requests sent per second, answered, errors by
   code, latency p50/p99, how far behind the schedule it fell; and the API server's and etcd's CPU
   over the same window.
+  Beside the schedule, --list-clients N closed-loop clients (kind "closed_list"): each a thread
+  that LISTs all of the namespace's ConfigMaps back to back, the next request as soon as the
+  answer is read (after an error, 100 ms later), so the API server's answers set the rate; each
+  request is kept like the scheduled ones, its due time its send time.
 - DelayProxy: a loopback TCP relay that delays every chunk it relays by --delay-ms, each way, in
   order (the bytes are TLS: both clients speak TLS to the API server through it, with the API
   server's own certificate, so it is the same for both systems); one listening port, all
@@ -18,6 +22,7 @@
 
 Alone, for sizing the load on this machine against a running bench cluster:
   python3 load.py --writes 100 --lists 10 --objects 500 --seconds 30
+  python3 load.py --writes 0 --lists 0 --list-clients 4 --objects 1000 --seconds 30
 """
 
 from __future__ import annotations
@@ -52,10 +57,15 @@ def cluster_pids() -> dict[str, int]:
     return out
 
 
+CLOSED_LIST = "closed_list"
+ERROR_PAUSE_S = 0.1  # a closed-loop client's pause after an error (no answer, 429, 5xx)
+
+
 class LoadGenerator:
     def __init__(self, writes_per_s: float, lists_per_s: float, objects: int, object_bytes: int = 1024,
-                 workers: int = 32, timeout: float = 30.0):
+                 workers: int = 32, timeout: float = 30.0, list_clients: int = 0):
         self.writes_per_s, self.lists_per_s = writes_per_s, lists_per_s
+        self.list_clients = list_clients
         self.objects, self.object_bytes, self.workers = objects, object_bytes, workers
         self.timeout = timeout
         self.ns = f"bench-load-{lib.rand_suffix()}"
@@ -135,6 +145,17 @@ class LoadGenerator:
             with self.lock:
                 self.done.append((kind, due, sent, (end - due) / 1e9, (end - sent) / 1e9, code))
 
+    def _closed_list(self) -> None:
+        """One closed-loop client: a LIST as soon as the last one's answer is read."""
+        while not self.stop_ev.is_set():
+            sent = time.time_ns()
+            code = self._send(CLOSED_LIST)
+            end = time.time_ns()
+            with self.lock:
+                self.done.append((CLOSED_LIST, sent, sent, (end - sent) / 1e9, (end - sent) / 1e9, code))
+            if not 200 <= code < 300:
+                self.stop_ev.wait(ERROR_PAUSE_S)
+
     def _schedule(self, kind: str, rate: float) -> None:
         """Puts one request every 1/rate s on the queue, at its due time, whatever is pending."""
         if rate <= 0:
@@ -163,10 +184,12 @@ class LoadGenerator:
             self.threads.append(threading.Thread(target=self._worker, daemon=True))
         self.threads += [threading.Thread(target=self._schedule, args=("write", self.writes_per_s), daemon=True),
                          threading.Thread(target=self._schedule, args=("list", self.lists_per_s), daemon=True)]
+        self.threads += [threading.Thread(target=self._closed_list, daemon=True) for _ in range(self.list_clients)]
         for t in self.threads:
             t.start()
-        log(f"load: {self.writes_per_s:g} writes/s and {self.lists_per_s:g} lists/s of {self.objects} "
-            f"ConfigMaps (~{self.object_bytes} B each) in {self.ns}, {self.workers} workers")
+        log(f"load: {self.writes_per_s:g} writes/s and {self.lists_per_s:g} lists/s"
+            + (f", {self.list_clients} clients listing back to back" if self.list_clients else "")
+            + f" of {self.objects} ConfigMaps (~{self.object_bytes} B each) in {self.ns}, {self.workers} workers")
 
     def stop(self) -> dict:
         """Stops the schedule, lets the pending requests finish (up to the timeout), and reports."""
@@ -188,7 +211,10 @@ class LoadGenerator:
         # pending_at_stop: due but not yet sent when the schedule stopped (the generator or the
         # server fell behind); they are sent after, and counted in the latencies, not in sent_per_s.
         out: dict = {"window_s": round(window, 3), "pending_at_stop": pending_at_stop}
-        for kind, rate in (("write", self.writes_per_s), ("list", self.lists_per_s)):
+        kinds = [("write", self.writes_per_s), ("list", self.lists_per_s)]
+        if self.list_clients:
+            kinds.append((CLOSED_LIST, None))  # closed loop: no target rate, as fast as answered
+        for kind, rate in kinds:
             ds = [d for d in done if d[0] == kind]
             in_window = [d for d in ds if d[2] < self.t1]
             codes = Counter(d[5] for d in ds)
@@ -204,6 +230,8 @@ class LoadGenerator:
                 "latency_from_due_s": {q: lat.get(q) for q in ("n", "p50", "p90", "p99", "max")},
                 "service_s": {q: svc.get(q) for q in ("n", "p50", "p99", "max")},
             }
+        if self.list_clients:
+            out[CLOSED_LIST]["clients"] = self.list_clients
         out["cpu_s_per_s"] = {k: (round((cpu1[k] - self.cpu0[k]) / window, 3)
                                   if cpu1.get(k) is not None and self.cpu0.get(k) is not None and window else None)
                               for k in self.cpu0}
@@ -211,11 +239,30 @@ class LoadGenerator:
 
     def config(self) -> dict:
         return {"writes_per_s": self.writes_per_s, "lists_per_s": self.lists_per_s,
+                "list_clients": self.list_clients,
                 "objects": self.objects, "object_bytes": self.object_bytes, "workers": self.workers,
                 "namespace": self.ns, "setup_s": round(self.setup_s, 2),
                 "how": "open loop, straight to the API server: writes are merge patches of a random "
                        "ConfigMap's data; lists are LISTs of all the namespace's ConfigMaps; latency "
-                       "from each request's due time on the schedule"}
+                       "from each request's due time on the schedule"
+                       + ("; beside it, list_clients closed-loop clients (closed_list), each LISTing "
+                          "all the namespace's ConfigMaps back to back, the whole body read, "
+                          f"{ERROR_PAUSE_S * 1000:.0f} ms pause after an error; latency from the send"
+                          if self.list_clients else "")}
+
+    def samples(self) -> dict:
+        """Every request kept, for a result's raw samples: latency (ms, from the due time) of the
+        answered ones by kind, and per request [kind, sent (ms from the start), latency from due
+        (ms), service (ms), code]."""
+        with self.lock:
+            done = list(self.done)
+        ms: dict[str, list[float]] = {}
+        for d in done:
+            if 200 <= d[5] < 300:
+                ms.setdefault(d[0], []).append(d[3] * 1000)
+        rows = [[d[0], round((d[2] - self.t0) / 1e6, 3), round(d[3] * 1000, 3), round(d[4] * 1000, 3), d[5]]
+                for d in sorted(done, key=lambda d: d[2])]
+        return {"ms": ms, "requests": rows}
 
     def cleanup(self, kube: Kube) -> None:
         kube.request("DELETE", f"/api/v1/namespaces/{self.ns}", ok=(200, 202, 404))
@@ -355,6 +402,8 @@ def main() -> None:
     ap.add_argument("--objects", type=int, default=500)
     ap.add_argument("--object-bytes", type=int, default=1024)
     ap.add_argument("--workers", type=int, default=32)
+    ap.add_argument("--list-clients", type=int, default=0,
+                    help="closed-loop clients, each LISTing the namespace's ConfigMaps back to back")
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--delay-ms", type=float, default=0)
     ap.add_argument("--proxy-only", action="store_true",
@@ -372,7 +421,8 @@ def main() -> None:
             tmp.replace(args.stats_file)
             time.sleep(1)
     kube = Kube()
-    gen = LoadGenerator(args.writes, args.lists, args.objects, args.object_bytes, args.workers)
+    gen = LoadGenerator(args.writes, args.lists, args.objects, args.object_bytes, args.workers,
+                        list_clients=args.list_clients)
     gen.setup(kube)
     try:
         if args.delay_ms:
