@@ -38,6 +38,12 @@ failover-lists-<scenario>): N closed-loop clients each LIST all of the load name
 ConfigMaps back to back for the whole run (bench/load.py), beside any open-loop load; with no
 --delay-ms the candidates reach the API server straight, without the proxy. Every request of the
 load is kept (samples/<name>-load.json.gz).
+
+Where each fencedlease takeover's time went (kill, stop; issue 38): the candidates log the
+elector's timeline (bench/takeover.py), and each trial with a lateness carries `attribution`:
+watch lag + timer slack + the acquiring write + answer -> leading, which add up to the lateness,
+with the part that dominated; the summary has their spread and the slowest takeovers. client-go
+lanes keep the lateness alone (the peer logs only its leadership changes).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import time
 from pathlib import Path
 
 import lib
+import takeover
 from lib import Kube, log, now_ns, stats, step
 from load import CLOSED_LIST, DelayProxyProcess, LoadGenerator, probe_delay
 from systems import (OURS, OURS_OPT_OUT, PEER_NAME, SYSTEMS, holder_of, is_ours, object_path,
@@ -103,7 +110,7 @@ class Lane(threading.Thread):
                 self.system, name=ident, ns=self.ns, lease=self.lease, identity=ident,
                 lease_s=self.args.lease, kubeconfig=self.args.candidate_kubeconfig or lib.kubeconfig(),
                 logdir=self.dir / "logs", events=self.dir / f"{ident}.events",
-                writes=self.dir / "writes.jsonl", cm=self.cm, api=self.args.candidate_api)
+                writes=self.dir / "writes.jsonl", cm=self.cm, api=self.args.candidate_api, timeline=True)
 
     def leaders(self) -> list[tuple[lib.Proc, dict]]:
         out = []
@@ -129,6 +136,13 @@ class Lane(threading.Thread):
     def leader_labelled(self, name: str) -> bool:
         pod = self.kube.get_opt(self.pod_path(name)) or {}
         return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "leader"
+
+    def attribution(self, holder: lib.Proc, leader: lib.Proc, others: list[lib.Proc], rec: dict) -> dict:
+        """Where this takeover's lateness went (bench/takeover.py), from the candidates' logs."""
+        return takeover.attribute(
+            takeover.read_log(leader.logfile), rec["leader_ns"], rec["last_renew_ns"], self.args.lease,
+            holder=takeover.read_log(holder.logfile),
+            others=[takeover.read_log(o.logfile) for o in others if o is not leader])
 
     def restart_lane(self) -> None:
         # podgone: the stopped candidates' pods stay (a lease still held by one is waited out),
@@ -211,6 +225,8 @@ class Lane(threading.Thread):
         rec["failover_s"] = (e["t_ns"] - t_sig) / 1e9
         if rec.get("last_renew_ns"):
             rec["lateness_s"] = (e["t_ns"] - rec["last_renew_ns"]) / 1e9 - L
+            if is_ours(self.system) and self.scenario in ("kill", "stop"):
+                rec["attribution"] = self.attribution(holder, p, others, rec)
         if "token" in e:
             rec["token"] = e["token"]
             if "old_token" in rec:
@@ -278,6 +294,9 @@ def summarize(results: list[dict], systems=SYSTEMS) -> dict:
             steps = [r["token_step"] for r in rs if "token_step" in r]
             if steps:
                 s["token_steps"] = {str(k): steps.count(k) for k in sorted(set(steps))}
+            att = takeover.summarize(rs)
+            if att:
+                s["attribution"] = att
         out[system] = s
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lib import API_PORT, FENCEDLEASE, PEER, BENCH, Proc, admin_token, ca_file, fl_path, lease_path
+from takeover import TIMELINE
 
 OURS = "fencedlease"
 PEER_NAME = "client-go"
@@ -29,9 +30,10 @@ def peer_timings(lease_s: float) -> tuple[float, float, float]:
 
 def start_candidate(system: str, *, name: str, ns: str, lease: str, identity: str, lease_s: int,
                     kubeconfig: Path, logdir: Path, events: Path, writes: Path | None = None,
-                    cm: str | None = None, api: str | None = None) -> Proc:
+                    cm: str | None = None, api: str | None = None, timeline: bool = False) -> Proc:
     """`api`: where the fenced write goes (default: the API server; failover under load: the
-    same delay proxy as the kubeconfig's server)."""
+    same delay proxy as the kubeconfig's server). `timeline`: fencedlease logs in JSON lines,
+    with the elector's timeline (bench/takeover.py reads it) beside its warnings."""
     env = {"KUBECONFIG": str(kubeconfig)}
     if is_ours(system):
         if cm and writes:
@@ -41,7 +43,9 @@ def start_candidate(system: str, *, name: str, ns: str, lease: str, identity: st
                         "BENCH_WRITES": str(writes)})
         else:
             cmd = ["sleep", "100000"]
-        env["RUST_LOG"] = "warn"
+        env["RUST_LOG"] = f"warn,{TIMELINE}=debug" if timeline else "warn"
+        if timeline:
+            env["FENCEDLEASE_LOG_FORMAT"] = "json"
         argv = [str(FENCEDLEASE), "campaign", "--lease", lease, "--namespace", ns,
                 "--identity", identity, "--lease-duration", str(lease_s), "--grace-seconds", "2",
                 "--events-file", str(events), "--", *cmd]

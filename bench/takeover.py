@@ -30,6 +30,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
+from percentiles import stats
+
 TIMELINE = "fencedlease_elector::timeline"
 # The elector's warning when its watch of the lease fails (kube's watcher retries, with backoff).
 WATCH_FAILED = "watching the FencedLease failed; retrying"
@@ -143,3 +145,19 @@ def slowest(trials: list[dict], n: int = 5) -> list[dict]:
     """The n trials with the largest lateness that carry an attribution, slowest first."""
     done = [t for t in trials if t.get("lateness_s") is not None and "dominant" in (t.get("attribution") or {})]
     return sorted(done, key=lambda t: t["lateness_s"], reverse=True)[:n]
+
+
+def summarize(trials: list[dict], n_slowest: int = 5) -> dict | None:
+    """One system's attributions: each part's spread, how often each part was the largest, and
+    the slowest takeovers with their parts (None when no trial carries an attribution)."""
+    tried = [t for t in trials if t.get("attribution") is not None]
+    if not tried:
+        return None
+    split = [t["attribution"] for t in tried if "dominant" in t["attribution"]]
+    out: dict = {"n": len(split), "missing": len(tried) - len(split),
+                 "parts_s": {k: {q: v for q, v in stats([a[k] for a in split]).items()
+                                 if q in ("n", "p50", "p90", "p99", "max")} for k in PARTS},
+                 "dominant": {k: sum(1 for a in split if a["dominant"] == k) for k in PARTS}}
+    out["slowest"] = [{"lane": t.get("lane"), "trial": t.get("trial"), "lateness_s": t["lateness_s"],
+                       **t["attribution"]} for t in slowest(trials, n_slowest)]
+    return out

@@ -94,6 +94,21 @@ class Attribute(unittest.TestCase):
         ts.append({"lateness_s": 5.0, "attribution": {"missing": "no timeline"}})
         self.assertEqual([t["lateness_s"] for t in takeover.slowest(ts, 2)], [2.0, 0.3])
 
+    def test_a_summary_counts_the_dominant_parts_and_keeps_the_slowest(self):
+        def trial(late, dom, lane="fl-0"):
+            parts = dict.fromkeys(takeover.PARTS, 0.001) | {dom: late}
+            return {"lane": lane, "trial": 0, "lateness_s": late, "attribution": {**parts, "dominant": dom}}
+        ts = [trial(0.05, "acquire_s"), trial(2.0, "watch_lag_s"), trial(0.04, "acquire_s"),
+              {"lane": "fl-1", "trial": 1, "lateness_s": 0.1, "attribution": {"missing": "no timeline"}},
+              {"lane": "fl-1", "trial": 2, "lateness_s": 0.1}]
+        s = takeover.summarize(ts, 2)
+        self.assertEqual((s["n"], s["missing"]), (3, 1))
+        self.assertEqual(s["dominant"]["acquire_s"], 2)
+        self.assertEqual(s["parts_s"]["watch_lag_s"]["max"], 2.0)
+        self.assertEqual([(t["lateness_s"], t["dominant"]) for t in s["slowest"]],
+                         [(2.0, "watch_lag_s"), (0.05, "acquire_s")])
+        self.assertIsNone(takeover.summarize([{"lateness_s": 1.0}]))
+
 
 class ParseLog(unittest.TestCase):
     def test_timeline_events_and_watch_failures_from_json_lines_only(self):
