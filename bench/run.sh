@@ -23,6 +23,13 @@
 #                      candidate of both systems reaches it through a proxy adding 20 ms each way;
 #                      the harness's own reads go straight to the API server
 #   failover-load-stop failover-stop under the same load and delay
+#   failover-lists-kill
+#                      failover-kill under a list-heavy load (issue 38): closed-loop clients each
+#                      LIST all the ConfigMaps of a namespace back to back for the whole run (full:
+#                      4 clients, 1,000 ConfigMaps of 1 KB; quick: 1 client, 20), straight to the
+#                      API server, as the candidates are (no delay proxy); each fencedlease
+#                      takeover's lateness is split into watch lag, timer slack, the acquiring
+#                      write and answer -> leading, from the elector's timeline (bench/takeover.py)
 #   apiload            requests/s per candidate and holder, idle and during failover, N = 2, 10, 100
 #   webhook-server     the HTTPS webhook alone under load, allowed and refused reviews (reviews/s
 #                      per core, p50/p99 at 0.5 and 0.8 of the most)
@@ -107,7 +114,7 @@ for a in "$@"; do
   esac
 done
 ALL=(decision failover-kill failover-stop failover-term failover-podgone failover-exited failover-load-kill
-  failover-load-stop apiload webhook-server
+  failover-load-stop failover-lists-kill apiload webhook-server
   webhook-apiserver webhook-concurrent webhook-sharing policy-concurrent policy-apiserver policy-layout controller-scale
   footprint many-leases)
 [ ${#NAMES[@]} -eq 0 ] && NAMES=("${ALL[@]}")
@@ -285,6 +292,7 @@ if [ "$MODE" = full ]; then
   GONE=(--lease 15 --lanes 5 --trials 20)
   EXITED=(--lease 15 --lanes 3 --trials 15)
   LOADED=(--lease 15 --lanes 6 --trials 10 --load-writes 100 --load-lists 10 --load-objects 500 --delay-ms 20)
+  LISTS=(--lease 15 --lanes 4 --trials 20 --load-list-clients 4 --load-objects 1000 --load-object-bytes 1024)
   API=(--n 2 10 100 --lease 15 --warmup 17 --idle 45)
   WHS=(--seconds 20 --warmup 3 --fractions 0.5 0.8 --repeat 3)
   WHA=(--updates 5000 --updates-warmup 50 --repeat 3)
@@ -302,6 +310,7 @@ else
   GONE=(--lease 3 --lanes 1 --trials 2)
   EXITED=(--lease 3 --lanes 1 --trials 2 --no-opt-out)
   LOADED=(--lease 3 --lanes 1 --trials 2 --load-writes 20 --load-lists 2 --load-objects 100 --delay-ms 20)
+  LISTS=(--lease 3 --lanes 1 --trials 2 --load-list-clients 1 --load-objects 20 --load-object-bytes 1024)
   API=(--n 2 10 --lease 3 --warmup 4 --idle 5)
   WHS=(--seconds 2 --warmup 0.5 --fractions 0.5)
   WHA=(--updates 50 --updates-warmup 10)
@@ -364,6 +373,7 @@ for n in "${NAMES[@]}"; do
       node_down ;;
     failover-load-kill) bench "$n" python3 failover.py kill "${LOADED[@]}" --out "$OUT" ;;
     failover-load-stop) bench "$n" python3 failover.py stop "${LOADED[@]}" --out "$OUT" ;;
+    failover-lists-kill) bench "$n" python3 failover.py kill "${LISTS[@]}" --out "$OUT" ;;
     apiload) bench "$n" python3 apiload.py "${API[@]}" --out "$OUT" ;;
     webhook-server) bench "$n" python3 webhook_bench.py server "${WHS[@]}" --out "$OUT" ;;
     webhook-apiserver) bench "$n" python3 webhook_bench.py apiserver "${WHA[@]}" "${WHA_EXPECT[@]}" --out "$OUT" ;;
