@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 
 import apilog
+import takeover
 from percentiles import bootstrap_ci, hist_upper_ms, paired_figures, pct, pct_ci, ratio_ci, stats
 from plots import ecdf_svg
 
 OURS, PEER = "fencedlease", "client-go"
 OPT_OUT = "fencedlease-opted-out"
 LABEL = {OPT_OUT: "fencedlease, revokeOnHolderDeath: false"}
+CLOSED_LIST = "closed_list"  # bench/load.py's closed-loop lists (report.py must not import lib)
 
 
 def load(run: Path, name: str) -> dict | None:
@@ -335,6 +337,105 @@ def policy_layout(d: dict, md: list[str], summary: dict, verdict) -> None:
             mem < 50, f"{mem:+.0f} MiB RSS", "met if the binding adds less than 50 MiB of RSS")
 
 
+def attribution_md(d: dict, md: list[str], systems=(OURS, OPT_OUT)) -> dict:
+    """Where fencedlease's takeovers lost their time (issue 38): each part's spread, how often it
+    was the largest, and the slowest takeovers part by part (bench/takeover.py); the summary's
+    attribution per system, {} when the run has none (results kept before it existed)."""
+    out = {}
+    for sy in systems:
+        a = (d["summary"].get(sy) or {}).get("attribution")
+        if not a or not a["n"]:
+            continue
+        out[sy] = a
+        md.append(f"\nWhere {LABEL.get(sy, sy)}'s lateness went ({a['n']} takeovers split from the elector's timeline"
+                  + (f"; {a['missing']} could not be: {missing_reasons(d, sy)}" if a["missing"] else "")
+                  + "). The parts add up to the lateness: a candidate counts the lease from when it *saw* the "
+                  "holder's last renewal, on its own clock. Seconds.\n")
+        md.append("| part | p50 | p90 | p99 | max | the largest part in |\n|---|---|---|---|---|---|")
+        for k in takeover.PARTS:
+            v = a["parts_s"][k]
+            md.append(f"| {takeover.PART_LABEL[k]} | {v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | "
+                      f"{v['max']:.3f} | {a['dominant'][k]} of {a['n']} |")
+        md.append("\nThe slowest takeovers (other candidates' watch lag: the same renewal as the lane's other "
+                  "candidates saw it; holder's answer: its renewal's answer after renewTime, an upper bound of "
+                  "when the API server stored it, - if it died first):\n")
+        md.append("| lane/trial | lateness | watch lag | timer slack | acquire | answer -> leading (first renewal) "
+                  "| largest | other candidates' watch lag | holder's answer | watch failures | seen after a refused "
+                  "acquire |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for t in a["slowest"]:
+            first = t.get("recording_renewal_s")
+            held = t.get("last_renewal_answered_s")
+            md.append(f"| {t['lane']}/{t['trial']} | {t['lateness_s']:.3f} | {t['watch_lag_s']:.3f} | "
+                      f"{t['timer_slack_s']:.3f} | {t['acquire_s']:.3f} | {t['to_leading_s']:.3f} "
+                      f"({'-' if first is None else f'{first:.3f}'}) | {t['dominant'].removesuffix('_s')} | "
+                      f"{', '.join(f'{x:.3f}' for x in t.get('watch_lag_others_s') or []) or '-'} | "
+                      f"{'-' if held is None else f'{held:.3f}'} | {t.get('watch_failures', 0)} | "
+                      f"{'yes' if t.get('observed_after_conflict') else 'no'} |")
+    return out
+
+
+def missing_reasons(d: dict, system: str) -> str:
+    reasons = [(t.get("attribution") or {}).get("missing") for t in d["trials"] if t["system"] == system]
+    reasons = [r for r in reasons if r]
+    return "; ".join(f"{r} ({reasons.count(r)})" for r in sorted(set(reasons)))
+
+
+def failover_lists(run: Path, md: list[str], summary: dict, plots: Path) -> None:
+    """failover-lists-<scenario> (issue 38): failover under closed-loop LISTs, with the
+    attribution of fencedlease's lateness. No target is judged: the question is where the time goes."""
+    summary["failover_lists"] = {}
+    for sc in ("kill", "stop"):
+        d = load(run, f"failover-lists-{sc}")
+        if not d:
+            continue
+        L, s, c = d["config"]["lease_s"], d["summary"], d["config"]
+        g, la = c["load"]["generator"], d["load"]["achieved"]
+        cl = la.get(CLOSED_LIST) or {}
+        lat = cl.get("latency_from_due_s") or {}
+        row: dict = {"lease_s": L, "config": c, "load_achieved": la}
+        for sy in (OURS, PEER):
+            v = s.get(sy, {})
+            row[sy] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
+                       | {"p99_ci95": [r3(x) for x in trial_ci(d, sy, k) or []]}
+                       for k in ("failover_s", "lateness_s", "first_write_s") if k in v}
+            row[sy] |= {"trials_ok": v.get("trials_ok"), "trials_failed": v.get("trials_failed")}
+        delay = c["load"].get("delay_ms_each_way") or 0
+        md.append(f"\n### Failover under a list-heavy load: {sc}\n\nLease {L} s; {c['lanes_per_system']} lanes per "
+                  f"system x {c['trials_per_lane']} trials, {c['candidates_per_lane']} candidates per lane. The API "
+                  f"server busy: {g['list_clients']} clients each LISTing all {g['objects']} ConfigMaps of "
+                  f"~{g['object_bytes']} B back to back (closed loop) for the whole run ({la['window_s']:.0f} s): "
+                  f"{cl.get('sent_per_s') or 0:.1f} lists/s, {cl.get('errors', 0)} errors, latency p50 "
+                  f"{(lat.get('p50') or 0) * 1000:.0f} ms, p99 {(lat.get('p99') or 0) * 1000:.0f} ms, max "
+                  f"{(lat.get('max') or 0) * 1000:.0f} ms"
+                  + (f"; also {g['writes_per_s']:g} writes/s and {g['lists_per_s']:g} lists/s open loop"
+                     if g["writes_per_s"] or g["lists_per_s"] else "")
+                  + "; CPU s/s over the run: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in la["cpu_s_per_s"].items() if v is not None)
+                  + (f". Every candidate through a proxy adding {delay:g} ms each way" if delay
+                     else ". The candidates reach the API server straight, as the harness does")
+                  + ". Seconds; failed trials are counted, not dropped.\n")
+        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
+        for k, label in (("failover_s", "signal -> next leader"),
+                         ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
+                         ("first_write_s", "signal -> first accepted fenced write")):
+            for sy in (OURS, PEER):
+                v = row[sy].get(k)
+                if v and v.get("n"):
+                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
+                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | "
+                              f"{v['max']:.3f} |")
+        row["attribution"] = attribution_md(d, md)
+        summary["failover_lists"][sc] = row
+        late = {sy: [t["lateness_s"] for t in d["trials"] if t["system"] == sy and t.get("lateness_s") is not None]
+                for sy in (OURS, PEER)}
+        late = {k: v for k, v in late.items() if v}
+        if late:
+            (plots / f"lateness-lists-{sc}.svg").write_text(ecdf_svg(
+                late, title=f"Under closed-loop LISTs, after {sc}: next leader minus (last renewal + lease)",
+                xlabel="seconds past the earliest takeover the lease allows", vlines=[(0, "expiry")]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
@@ -462,6 +563,8 @@ def main() -> None:
                               f"{v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | {v['max']:.3f} |")
         md.append(f"| ratio client-go / fencedlease ({sig} -> leader) | | | "
                   f"{row['ratio_peer_over_ours']['p50']} | | {row['ratio_peer_over_ours']['p99']} | | |")
+        if sc in ("kill", "stop"):
+            row["attribution"] = attribution_md(d, md)
         if sc in ("kill", "stop") and fo_o.get("n"):
             met = fo_o["p99"] <= L + 0.25
             lo = s[OURS].get("lateness_s", {})
@@ -494,8 +597,8 @@ def main() -> None:
         L, s, c = d["config"]["lease_s"], d["summary"], d["config"]
         lc, la = c["load"], d["load"]["achieved"]
         g, w, li = lc["generator"], la["write"], la["list"]
-        pr = lc["delay_probe_s"]
-        row = {"lease_s": L, "config": c, "load_achieved": la, "delay_proxy": d["load"]["delay_proxy"]}
+        pr = lc.get("delay_probe_s")  # None: no delay proxy (--delay-ms 0)
+        row = {"lease_s": L, "config": c, "load_achieved": la, "delay_proxy": d["load"].get("delay_proxy")}
         for system in (OURS, PEER):
             v = s.get(system, {})
             row[system] = {k: {q: r3(v[k].get(q)) for q in ("n", "p50", "p90", "p99", "max")}
@@ -521,12 +624,15 @@ def main() -> None:
                   f"{ms(li['latency_from_due_s'].get('p99'))} ms), {la['pending_at_stop']} requests behind the "
                   f"schedule at the end; CPU s/s over the run: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in la["cpu_s_per_s"].items() if v is not None)
-                  + f". Slowed: every candidate of both systems reaches the API server through a proxy adding "
-                  f"{lc['delay_ms_each_way']:g} ms each way (GET /version on a fresh TLS connection: p50 "
-                  f"{ms(pr['direct']['p50'])} ms straight, {ms(pr['through_proxy']['p50'])} ms through it"
-                  + (f"; at the end, under the load: {ms(pe['direct']['p50'])} ms and {ms(pe['through_proxy']['p50'])} ms"
-                     if (pe := d["load"].get("delay_probe_s_under_load")) else "") + "); the "
-                  "harness reads the lease straight. Seconds; failed trials are counted, not dropped.\n")
+                  + (f". Slowed: every candidate of both systems reaches the API server through a proxy adding "
+                     f"{lc['delay_ms_each_way']:g} ms each way (GET /version on a fresh TLS connection: p50 "
+                     f"{ms(pr['direct']['p50'])} ms straight, {ms(pr['through_proxy']['p50'])} ms through it"
+                     + (f"; at the end, under the load: {ms(pe['direct']['p50'])} ms and "
+                        f"{ms(pe['through_proxy']['p50'])} ms"
+                        if (pe := d["load"].get("delay_probe_s_under_load")) and "through_proxy" in pe else "")
+                     + "); the harness reads the lease straight" if pr else
+                     ". The candidates reach the API server straight, as the harness does")
+                  + ". Seconds; failed trials are counted, not dropped.\n")
         md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
                   "|---|---|---|---|---|---|---|---|---|---|")
         for k, label in (("failover_s", "signal -> next leader"),
@@ -542,6 +648,7 @@ def main() -> None:
                     md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - | - |")
         rr = row["lateness_ratio_peer_over_ours"]
         md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | | |")
+        row["attribution"] = attribution_md(d, md)
         if lp.get("min") is not None and lp["min"] < 0:
             md.append("\nclient-go's next leader came before the lease ran out in some trials (lateness below 0): "
                       "its candidates restart their lease clock only when the record changes, compared as JSON "
@@ -579,6 +686,8 @@ def main() -> None:
                     f"no lateness measured (fencedlease: {lo.get('n', 0)} trials with one, client-go: "
                     f"{lp.get('n', 0)}; failed trials: fencedlease {s[OURS].get('trials_failed')}, client-go "
                     f"{s[PEER].get('trials_failed')})")
+
+    failover_lists(run, md, summary, plots)
 
     # -- API load ----------------------------------------------------------------------------
     d = load(run, "apiload")
