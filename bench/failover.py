@@ -499,7 +499,7 @@ def stop_load(gen: LoadGenerator, proxy: DelayProxyProcess | None, kube: Kube, l
         load_out["delay_proxy"] = proxy.close()
     kept = gen.samples()
     load_out["raw_samples"] = lib.keep_samples(out_dir, f"samples/{name}-load.json.gz", kept["ms"],
-                                               {"requests": kept["requests"]})
+                                               {"t0_ns": kept["t0_ns"], "requests": kept["requests"]})
     a = load_out["achieved"]
     closed = a.get(CLOSED_LIST)
     errors = sum(a[k]["errors"] for k in ("write", "list", CLOSED_LIST) if k in a)

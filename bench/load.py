@@ -252,8 +252,8 @@ class LoadGenerator:
 
     def samples(self) -> dict:
         """Every request kept, for a result's raw samples: latency (ms, from the due time) of the
-        answered ones by kind, and per request [kind, sent (ms from the start), latency from due
-        (ms), service (ms), code]."""
+        answered ones by kind, and per request [kind, sent (ms from t0_ns, the load's start on the
+        wall clock, as the trials' times are), latency from due (ms), service (ms), code]."""
         with self.lock:
             done = list(self.done)
         ms: dict[str, list[float]] = {}
@@ -262,7 +262,7 @@ class LoadGenerator:
                 ms.setdefault(d[0], []).append(d[3] * 1000)
         rows = [[d[0], round((d[2] - self.t0) / 1e6, 3), round(d[3] * 1000, 3), round(d[4] * 1000, 3), d[5]]
                 for d in sorted(done, key=lambda d: d[2])]
-        return {"ms": ms, "requests": rows}
+        return {"ms": ms, "t0_ns": self.t0, "requests": rows}
 
     def cleanup(self, kube: Kube) -> None:
         kube.request("DELETE", f"/api/v1/namespaces/{self.ns}", ok=(200, 202, 404))
