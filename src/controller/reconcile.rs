@@ -257,6 +257,32 @@ pub(super) fn remember(ctx: &Context, key: &str, lease: &FencedLease, mono: Mono
     }
 }
 
+/// Notes a handover asked for (`spec.preferredHolder`) as the watch delivers it, before any
+/// reconcile runs: reconciles of one lease coalesce, so a reconcile may see the holder before the
+/// ask and the preferred holder after it (ask, release, acquire within milliseconds) and would
+/// otherwise call the handover an acquisition. An ask is forgotten when a version without one
+/// names another holder (the ask was withdrawn, or someone else acquired): the preferred holder
+/// taking the lease later is then an acquisition. Only a lease this controller has looked at
+/// before is noted (without a previous look there is no change to name); the next look that sees
+/// a new holder reads it, as it reads a preferredHolder it saw itself.
+pub(super) fn note_asked(ctx: &Context, lease: &FencedLease) {
+    let asked = lease
+        .spec
+        .preferred_holder
+        .as_deref()
+        .filter(|p| !p.is_empty());
+    let holder = lease.holder();
+    let mut seen = ctx.seen.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(s) = seen.get_mut(&key(lease)) else {
+        return;
+    };
+    match (asked, holder) {
+        (Some(asked), _) => s.preferred = Some(asked.to_string()),
+        (None, Some(h)) if s.preferred.as_deref() != Some(h) => s.preferred = None,
+        _ => {}
+    }
+}
+
 /// One reconciliation of one lease.
 pub(super) struct LeaseReconcile<'a> {
     lease: &'a FencedLease,

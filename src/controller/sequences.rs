@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use super::fixtures::{Script, Step};
 use super::metrics::ControllerMetrics;
-use super::reconcile::{reconcile, Context};
+use super::reconcile::{note_asked, reconcile, Context};
 use crate::api::{FencedLease, FencedLeaseSpec, FencedLeaseStatus, LEASE_ANNOTATION};
 
 const LEASES: &str = "/apis/fencedlease.io/v1alpha1/namespaces/apps/fencedleases";
@@ -163,4 +163,89 @@ async fn a_holder_whose_pod_came_back_under_its_name_is_not_revoked() {
     let result = reconcile(Arc::new(held(3)), ctx).await;
     script.finish();
     assert!(result.is_ok(), "{result:?}");
+}
+
+/// Lease apps/db at `generation`, held by `holder` (or free), asked (or not) to hand over to
+/// `asked`.
+fn held_by(holder: Option<&str>, generation: i64, asked: Option<&str>) -> FencedLease {
+    let mut lease = held(generation);
+    lease.spec.holder_identity = holder.map(str::to_string);
+    lease.spec.preferred_holder = asked.map(str::to_string);
+    if let Some(status) = lease.status.as_mut() {
+        status.holder_identity = holder.map(str::to_string);
+    }
+    lease
+}
+
+/// A status patch of the lease at `generation`, answered with `lease`.
+fn status_step(generation: i64, lease: &FencedLease) -> Step {
+    let answer = serde_json::to_value(lease).unwrap_or_default();
+    Step::new(Method::PATCH, &format!("{LEASES}/db/status"), 200, answer).body(move |b| {
+        let observed = field(b, &["status", "observedGeneration"]);
+        (observed == generation)
+            .then_some(())
+            .ok_or_else(|| format!("observedGeneration {observed}, not {generation}"))
+    })
+}
+
+/// db-0 holds at generation 3 (asked to hand over to `asked_first`, if any) when a reconcile
+/// looks; the watch then delivers `between` and, with no reconcile in between, db-1 holding at
+/// generation 6, which the next reconcile sees: its Event must be `reason`, naming db-1.
+async fn db1_takes_over_after(asked_first: Option<&str>, between: &[FencedLease], reason: &str) {
+    let (first, taken) = (
+        held_by(Some("db-0"), 3, asked_first),
+        held_by(Some("db-1"), 6, None),
+    );
+    let reason = reason.to_string();
+    let script = Script::new(vec![
+        status_step(3, &first),
+        status_step(6, &taken),
+        Step::new(
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/apps/events",
+            201,
+            json!({}),
+        )
+        .body(move |b| {
+            let got = field(b, &["reason"]);
+            let note = field(b, &["note"]).as_str().unwrap_or("");
+            (got == reason.as_str() && note.contains("db-1"))
+                .then_some(())
+                .ok_or_else(|| format!("reason {got}, not {reason}; note {note:?}"))
+        }),
+    ]);
+    let ctx = context(&script);
+    let result = reconcile(Arc::new(first), ctx.clone()).await;
+    assert!(result.is_ok(), "{result:?}");
+    for version in between.iter().chain([&taken]) {
+        note_asked(&ctx, version);
+    }
+    let result = reconcile(Arc::new(taken), ctx).await;
+    script.finish();
+    assert!(result.is_ok(), "{result:?}");
+}
+
+#[tokio::test]
+async fn a_handover_whose_steps_no_reconcile_saw_is_still_named_a_handover() {
+    // The ask for db-1, db-0's release and db-1's acquisition all pass the watch before the
+    // next reconcile, which sees only db-1 holding (preferredHolder cleared).
+    let between = [
+        held_by(Some("db-0"), 4, Some("db-1")),
+        held_by(None, 5, Some("db-1")),
+    ];
+    db1_takes_over_after(None, &between, "HandedOver").await;
+}
+
+#[tokio::test]
+async fn an_ask_withdrawn_or_taken_by_another_is_forgotten() {
+    // The ask a reconcile saw is withdrawn before db-1 acquires on its own.
+    let withdrawn = [held_by(Some("db-0"), 4, None), held_by(None, 5, None)];
+    db1_takes_over_after(Some("db-1"), &withdrawn, "Acquired").await;
+    // The ask for db-1 is seen, but db-2 acquires first (clearing it); db-1 acquires later.
+    let other = [
+        held_by(Some("db-0"), 4, Some("db-1")),
+        held_by(Some("db-2"), 5, None),
+        held_by(None, 5, None),
+    ];
+    db1_takes_over_after(None, &other, "Acquired").await;
 }

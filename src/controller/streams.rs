@@ -9,16 +9,19 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 use tracing::warn;
 
-use super::reconcile::Context;
+use super::reconcile::{note_asked, Context};
 use crate::api::FencedLease;
 
 /// FencedLeases as the controller caches them: without managedFields, which are most of a
 /// lease's size in memory and never read here. (A replace made from a cached lease keeps the
-/// server's managedFields: an update without them leaves them as they are.)
+/// server's managedFields: an update without them leaves them as they are.) Every version the
+/// watch delivers passes `note_asked`, so a handover asked for is known even when the reconciles
+/// of the lease coalesce past it.
 pub(super) fn lease_stream(
     client: &Client,
     namespace: Option<&str>,
     writer: reflector::store::Writer<FencedLease>,
+    ctx: Arc<Context>,
 ) -> impl futures::Stream<Item = Result<FencedLease, watcher::Error>> + Send + 'static {
     let api: Api<FencedLease> = match namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
@@ -29,6 +32,11 @@ pub(super) fn lease_stream(
         .modify(|l: &mut FencedLease| l.metadata.managed_fields = None)
         .reflect(writer)
         .applied_objects()
+        .inspect(move |lease| {
+            if let Ok(lease) = lease {
+                note_asked(&ctx, lease);
+            }
+        })
 }
 
 /// Reconcile requests for the leases whose pods changed, from one watch of pods that also keeps

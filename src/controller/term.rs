@@ -116,16 +116,17 @@ impl Term<'_> {
             scope,
         )));
         let namespace = args.namespace.as_deref();
-        let controller = Controller::for_stream(lease_stream(client, namespace, writer), reader)
-            .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
-            .with_config(controller::Config::default().concurrency(args.concurrency))
-            .graceful_shutdown_on(self.active.shutdown.clone().cancelled_owned())
-            .run(reconcile, error_policy, ctx.clone())
-            .for_each(|res| async move {
-                if let Err(e) = res {
-                    tracing::debug!(error = %e, "reconcile error");
-                }
-            });
+        let controller =
+            Controller::for_stream(lease_stream(client, namespace, writer, ctx.clone()), reader)
+                .reconcile_on(pod_triggers(client, namespace, ctx.clone()))
+                .with_config(controller::Config::default().concurrency(args.concurrency))
+                .graceful_shutdown_on(self.active.shutdown.clone().cancelled_owned())
+                .run(reconcile, error_policy, ctx.clone())
+                .for_each(|res| async move {
+                    if let Err(e) = res {
+                        tracing::debug!(error = %e, "reconcile error");
+                    }
+                });
         let certs_task =
             cert_config(args).map(|cfg| tokio::spawn(keep_certificates(client.clone(), cfg)));
         let ended = self.ended(state, controller).await;
