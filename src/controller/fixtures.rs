@@ -1,6 +1,7 @@
 //! An in-process fake API server for reconcile sequences, beside the real-server tests (which
 //! stay: tests/controller.rs, tests/holder_death.rs and others). A [`Script`] is the list of
-//! requests one reconcile must make, in order, each with the answer to give; [`Script::client`]
+//! requests one reconcile must make, in order (a run of steps marked [`Step::in_any_order`] in
+//! any order), each with the answer to give; [`Script::client`]
 //! is a `kube::Client` that serves it. A request out of order, or one the script does not have,
 //! is answered 500 and recorded, and [`Script::finish`] fails the test naming it, as it does
 //! for expected requests that never came.
@@ -25,6 +26,9 @@ pub(super) struct Step {
     check: BodyCheck,
     status: u16,
     answer: Value,
+    /// May come in any order among the steps next to it that may too (requests made
+    /// concurrently); the first such step that matches the request answers it.
+    loose: bool,
 }
 
 impl Step {
@@ -35,7 +39,18 @@ impl Step {
             check: Box::new(|_| Ok(())),
             status,
             answer,
+            loose: false,
         }
+    }
+
+    /// Lets this step come in any order among its neighbours that allow it too. A request is
+    /// matched by method and path to the first such step of the run at the script's head (so
+    /// steps of one path keep their order, and the body check tells them apart); two runs next
+    /// to each other are one run. Nothing matching: the run's first step is taken and the
+    /// request is recorded as wrong.
+    pub(super) fn in_any_order(mut self) -> Step {
+        self.loose = true;
+        self
     }
 
     /// Also checks the request's body.
@@ -101,7 +116,13 @@ impl Script {
         let what = format!("{} {}", parts.method, parts.uri.path());
         let mut state = self.0.lock().unwrap_or_else(|p| p.into_inner());
         state.seen.push(what.clone());
-        let Some(step) = state.steps.pop_front() else {
+        let at = state
+            .steps
+            .iter()
+            .take_while(|s| s.loose)
+            .position(|s| s.method == parts.method && s.path == parts.uri.path())
+            .unwrap_or(0);
+        let Some(step) = state.steps.remove(at) else {
             state
                 .wrong
                 .push(format!("{what}: not in the script (it had ended)"));

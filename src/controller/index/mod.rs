@@ -47,6 +47,11 @@ const INDEX_DEBOUNCE: Duration = Duration::from_millis(50);
 const INDEX_RETRY: Duration = Duration::from_secs(1);
 const INDEX_RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// How many finalizer patches one namespace's work keeps in flight at once: an upgrade to a
+/// release with the finalizer puts it on every lease, and one after another 10,000 leases would
+/// hold the namespace's first index back for 10,000 round trips.
+const FINALIZER_PATCHES_IN_FLIGHT: usize = 16;
+
 /// How long a namespace waits after its `failures`-th failed write in a row (1, 2, 4 ... 60 s).
 fn retry_after(failures: u32) -> Duration {
     let doubled = INDEX_RETRY.saturating_mul(1 << failures.saturating_sub(1).min(6));
@@ -120,6 +125,9 @@ struct Indexer {
     full: BTreeMap<String, usize>,
     /// Webhook mode: whether another release's policy mode was last seen (said once).
     deferring: bool,
+    /// Webhook mode: whether another release runs policy mode, as looked up in this flush (one
+    /// look per flush, however many namespaces have leases to release).
+    looked: Option<bool>,
 }
 
 /// How a namespace's work ended.
@@ -143,6 +151,7 @@ impl Indexer {
             failing: BTreeMap::new(),
             full: BTreeMap::new(),
             deferring: false,
+            looked: None,
         }
     }
 
@@ -163,6 +172,7 @@ impl Indexer {
     /// Does every dirty namespace's work; what fails is tried again later.
     async fn flush(&mut self) {
         self.flush_at = None;
+        self.looked = None;
         if self.sweep {
             match self.indexed_namespaces().await {
                 Ok(found) => {
@@ -216,15 +226,11 @@ impl Indexer {
         {
             return Ok(Settled::Deferred);
         }
-        for name in &plan.guard {
-            self.set_finalizer(ns, name, true).await?;
-        }
+        self.set_finalizers(ns, &plan.guard, true).await?;
         if plan.write_index {
             self.write(ns).await?;
         }
-        for name in &plan.release {
-            self.set_finalizer(ns, name, false).await?;
-        }
+        self.set_finalizers(ns, &plan.release, false).await?;
         Ok(Settled::Done)
     }
 
@@ -233,6 +239,9 @@ impl Indexer {
     /// off while that controller is down, a deleted lease would vanish while still listed. A
     /// server without admission policies has no policy mode.
     async fn policy_mode_elsewhere(&mut self) -> Result<bool, kube::Error> {
+        if let Some(found) = self.looked {
+            return Ok(found);
+        }
         let api: Api<ValidatingAdmissionPolicy> = Api::all(self.client.clone());
         let guards = ListParams::default()
             .labels(&format!("{INDEX_GUARD_LABEL}=true"))
@@ -246,6 +255,7 @@ impl Indexer {
             info!("a release runs policy mode in this cluster (its lease index guard exists): leaving the finalizer {LEASE_INDEX_FINALIZER} on the leases to its controller");
         }
         self.deferring = found;
+        self.looked = Some(found);
         Ok(found)
     }
 
@@ -262,37 +272,86 @@ impl Indexer {
         self.dirty.insert(ns);
     }
 
-    /// Puts the index's finalizer on lease `ns/name` (`on`) or takes it off, on the version last
-    /// seen (a merge patch replaces the whole list, so it must not overwrite anyone else's
-    /// change); a conflict reads the lease again and tries once more. A lease gone is done.
-    async fn set_finalizer(&mut self, ns: &str, name: &str, on: bool) -> Result<(), kube::Error> {
+    /// Puts the index's finalizer on the leases `names` of `ns` (`on`) or takes it off, up to
+    /// [`FINALIZER_PATCHES_IN_FLIGHT`] at once (an upgrade puts it on every lease once), and
+    /// records what each answer says. The first error is returned once every patch has ended.
+    async fn set_finalizers(
+        &mut self,
+        ns: &str,
+        names: &[String],
+        on: bool,
+    ) -> Result<(), kube::Error> {
         let api: Api<FencedLease> = Api::namespaced(self.client.clone(), ns);
+        let todo: Vec<(String, Seen)> = names
+            .iter()
+            .filter_map(|n| Some((n.clone(), self.leases.get(ns, n)?.clone())))
+            .collect();
+        let answers: Vec<_> = futures::stream::iter(todo)
+            .map(|(name, seen)| {
+                let api = api.clone();
+                async move { Self::set_finalizer(&api, ns, &name, seen, on).await }
+            })
+            .buffer_unordered(FINALIZER_PATCHES_IN_FLIGHT)
+            .collect()
+            .await;
+        let mut first = None;
+        for (read, outcome) in answers {
+            if let Some(m) = read {
+                self.leases.change(&m, true);
+            }
+            match (outcome, &first) {
+                (Ok(()), _) => {}
+                (Err(e), None) => first = Some(e),
+                (Err(e), Some(_)) => {
+                    warn!(namespace = %ns, on, "another of the lease index's finalizer patches failed as well: {e}");
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Puts the index's finalizer on one lease (`on`) or takes it off, on the version last seen
+    /// (a merge patch replaces the whole list, so it must not overwrite anyone else's change); a
+    /// conflict reads the lease again and tries once more. Gives the lease's metadata as last
+    /// read or written, if any (none: nothing to do, or the lease is gone), to record even when
+    /// the patch then failed, and how the patch ended.
+    async fn set_finalizer(
+        api: &Api<FencedLease>,
+        ns: &str,
+        name: &str,
+        mut seen: Seen,
+        on: bool,
+    ) -> (
+        Option<PartialObjectMeta<FencedLease>>,
+        Result<(), kube::Error>,
+    ) {
+        let mut read = None;
         for attempt in 0..2 {
-            let Some(seen) = self.leases.get(ns, name).cloned() else {
-                return Ok(());
-            };
             // Done already, or no longer wanted (no finalizer may be added to a lease being
             // deleted).
             if seen.guarded() == on || (on && seen.deleting) {
-                return Ok(());
+                break;
             }
-            match Self::patch_finalizers(&api, name, &seen, on).await {
+            match Self::patch_finalizers(api, name, &seen, on).await {
                 Ok(m) => {
-                    self.leases.change(&m, true);
                     debug!(namespace = %ns, lease = %name, on, "set the lease index's finalizer");
-                    return Ok(());
+                    return (Some(m), Ok(()));
                 }
-                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => return (None, Ok(())),
                 Err(kube::Error::Api(s)) if s.code == 409 && attempt == 0 => {
-                    match api.get_metadata_opt(name).await? {
-                        Some(m) => self.leases.change(&m, true),
-                        None => return Ok(()),
+                    match api.get_metadata_opt(name).await {
+                        Ok(Some(m)) => {
+                            seen = Seen::of(&m);
+                            read = Some(m);
+                        }
+                        Ok(None) => return (None, Ok(())),
+                        Err(e) => return (None, Err(e)),
                     };
                 }
-                Err(e) => return Err(e),
+                Err(e) => return (read, Err(e)),
             }
         }
-        Ok(())
+        (read, Ok(()))
     }
 
     async fn patch_finalizers(
@@ -544,13 +603,17 @@ mod tests {
         script.finish();
 
         // Another release runs policy mode (its guard exists): its controller keeps the
-        // finalizer, and this one leaves it, to look again later.
+        // finalizer, and this one leaves it, to look again later. One look per flush, however
+        // many namespaces have leases to release.
         let script = Script::new(vec![Step::new(Method::GET, GUARDS, 200, guards(1))]);
         let mut ix = Indexer::new(script.client(), None, Role::Release);
         ix.seen(&Event::Apply(lease("shop", "new", "2", true, true)));
+        ix.seen(&Event::Apply(lease("cafe", "till", "5", true, false)));
         ix.flush().await;
         assert!(
-            ix.dirty.contains("shop") && ix.failing["shop"].0 == 0,
+            ["shop", "cafe"]
+                .iter()
+                .all(|ns| ix.dirty.contains(*ns) && ix.failing[*ns].0 == 0),
             "{:?}",
             ix.failing
         );
@@ -570,13 +633,27 @@ mod tests {
         let (a, b) = (format!("{LEASES}/a"), format!("{LEASES}/b"));
         let conflict = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
             "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+        // The two leases' patches run at once: their requests may interleave.
+        let any = |step: Step| step.in_any_order();
         let script = Script::new(vec![
-            Step::new(Method::PATCH, &a, 409, conflict.clone()).body(finalizers("1", true)),
-            Step::new(Method::GET, &a, 200, lease_answer("a", "5", false, false)),
-            Step::new(Method::PATCH, &a, 200, lease_answer("a", "6", true, false))
-                .body(finalizers("5", true)),
-            Step::new(Method::PATCH, &b, 409, conflict).body(finalizers("1", true)),
-            Step::new(Method::GET, &b, 200, lease_answer("b", "7", false, true)),
+            any(Step::new(Method::PATCH, &a, 409, conflict.clone()).body(finalizers("1", true))),
+            any(Step::new(
+                Method::GET,
+                &a,
+                200,
+                lease_answer("a", "5", false, false),
+            )),
+            any(
+                Step::new(Method::PATCH, &a, 200, lease_answer("a", "6", true, false))
+                    .body(finalizers("5", true)),
+            ),
+            any(Step::new(Method::PATCH, &b, 409, conflict).body(finalizers("1", true))),
+            any(Step::new(
+                Method::GET,
+                &b,
+                200,
+                lease_answer("b", "7", false, true),
+            )),
             Step::new(Method::GET, NS, 200, shop("7", "/")),
             Step::new(Method::PATCH, NS, 200, shop("8", "/a/")).body(on_version("7", "/a/")),
         ]);
@@ -588,6 +665,13 @@ mod tests {
             ix.dirty.is_empty() && ix.failing.is_empty(),
             "{:?}",
             ix.failing
+        );
+        // What the re-read of b said is kept: being deleted, at version 7.
+        let b = ix.leases.get("shop", "b").cloned();
+        assert!(
+            b.as_ref()
+                .is_some_and(|b| b.deleting && b.resource_version.as_deref() == Some("7")),
+            "{b:?}"
         );
         script.finish();
     }
