@@ -27,11 +27,11 @@ apiserver - policy-apiserver: the same protected ConfigMap update through the AP
               denials in v1.37, with buckets of 0.5 us, 1 ms, 10 ms...: not used.)
           Rounds rotate the order of the modes.
 layout    - policy-layout (issue 37): the chart's one binding at scale. Stages: one lease; PER
-          namespaces of PER leases (the measured namespace among them) with the binding removed,
+          namespaces of PER leases (the measured namespace among them) with the policies removed,
           then restored (the policy machinery's memory is the difference of the API server's
-          footprints), writes judged by the policy and, beside them, by the webhook (which reads
-          only the lease a write names); then one more namespace of PER*PER leases and writes
-          there. Each measurement keeps its per-write samples and the API server's histograms
+          footprints: its live heap after a forced collection, and RSS), writes judged by the
+          policy and, beside them, by the webhook (which reads only the lease a write names);
+          then one more namespace of PER*PER leases and writes there. Each measurement keeps its per-write samples and the API server's histograms
           before and after ("raw"), so that report.py can recompute every figure.
 """
 
@@ -392,9 +392,24 @@ def apiserver(args, kube: Kube, work: Path) -> dict:
 # -- part 2: the one binding at scale (issue 37) -------------------------------------------
 
 
+def live_heap_mib(kube: Kube, readings: int = 3) -> list[float]:
+    """The API server's live Go heap: `readings` times, a garbage collection forced through its
+    profiling endpoint (/debug/pprof/heap?gc=1 runs one before it answers), then the heap's
+    allocated bytes from /metrics. Unlike RSS, which keeps what the Go runtime has not yet given
+    back to the system, and heap in use, which keeps garbage not yet collected, this is what the
+    objects the server holds take."""
+    out = []
+    for _ in range(readings):
+        kube.request("GET", "/debug/pprof/heap?gc=1")
+        text = kube.request("GET", "/metrics")
+        out.append(sum(lib.metric_values(text, "go_memstats_heap_alloc_bytes").values()) / 2**20)
+    return out
+
+
 def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
     """After `settle` s: the API server's and etcd's RSS (five readings over the idle window,
-    median and max) and CPU seconds per second while idle; the API server's Go heap."""
+    median and max) and CPU seconds per second while idle; the API server's Go heap, and its live
+    heap after forced collections (`live_heap_mib`)."""
     api, etcd = proc_pid("kube-apiserver"), proc_pid("etcd")
     if not api or not etcd:
         raise SystemExit(f"no pid files of the cluster in {lib.CLUSTER_DIR}/pids")
@@ -417,8 +432,12 @@ def footprint(kube: Kube, settle: float, idle: float, label: str) -> dict:
            "apiserver_cpu_s_total": lib.cpu_seconds(api),
            "apiserver_heap_inuse_mib": m["go_memstats_heap_inuse_bytes"] / 2**20,
            "apiserver_goroutines": m["go_goroutines"]}
+    live = live_heap_mib(kube)
+    out["apiserver_live_heap_readings_mib"] = live
+    out["apiserver_live_heap_mib"] = sorted(live)[len(live) // 2]
     log(f"  {label}: kube-apiserver RSS {out['apiserver_rss_mib']:.0f} MiB (heap in use "
-        f"{out['apiserver_heap_inuse_mib']:.0f} MiB), idle CPU {out['apiserver_idle_cpu_per_s']:.3f} s/s; "
+        f"{out['apiserver_heap_inuse_mib']:.0f} MiB, live after a collection "
+        f"{out['apiserver_live_heap_mib']:.1f} MiB), idle CPU {out['apiserver_idle_cpu_per_s']:.3f} s/s; "
         f"etcd RSS {out['etcd_rss_mib']:.0f} MiB")
     return out
 
@@ -466,10 +485,12 @@ def layout(args, kube: Kube, work: Path) -> dict:
     """policy-layout: the chart's one binding (its paramRef selects the FencedLeases of the
     written object's own namespace; the policy's matchCondition keeps the one the label names).
     Stages: (1) one lease: footprint and writes, and what a write naming a lease that does not
-    exist meets; (2) the binding removed, `per` namespaces of `per` leases created (the measured
-    namespace among them): footprint; (3) the binding back: footprint (the policy machinery's
-    memory is the difference), writes judged by the policy, then by the webhook (the namespace
-    switched to it); (4) one more namespace of `per`*`per` leases: writes there."""
+    exist meets; (2) the policies and bindings removed (the API server then drops its informer of
+    FencedLeases), `per` namespaces of `per` leases created (the measured namespace among them):
+    footprint; (3) the policies and binding back: footprint (the policy machinery's memory is the
+    difference, of the live heap after a forced collection and of RSS), writes judged by the
+    policy, then by the webhook (the namespace switched to it); (4) one more namespace of
+    `per`*`per` leases: writes there."""
     per = args.per
     sfx = lib.rand_suffix()
     ns, big = f"bench-vaplayout-{sfx}", f"bench-vaplayout-big-{sfx}"
@@ -495,9 +516,11 @@ def layout(args, kube: Kube, work: Path) -> dict:
         log(f"  a write naming a missing lease: {res['missing_lease_with_leases']} where the namespace "
             f"has leases, {res['missing_lease_no_leases']} where it has none")
 
-        step(f"policy-layout: {per} x {per} FencedLeases, no binding")
-        remove_binding(kube, policy)
-        lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "none", 60, "the binding to go")
+        # The policies go, not just the binding: the API server keeps its informer of a
+        # parameter kind for as long as any policy names the kind, bound or not.
+        step(f"policy-layout: {per} x {per} FencedLeases, no policy")
+        remove_policy(kube, policy)
+        lib.wait_until(lambda: judged_by(kube, ns, "inventory") == "none", 60, "the policies to go")
         t0 = time.monotonic()
         spread = [f"lease-{i:05d}" for i in range(1, per)]
         lib.create_leases(kube, ns, spread)
@@ -507,9 +530,9 @@ def layout(args, kube: Kube, work: Path) -> dict:
             lib.create_leases(kube, n, names, log_every=10**9)
             index(kube, n, names)
         res["create_s"] = time.monotonic() - t0
-        res["leases"] = footprint(kube, args.settle, args.idle, f"{per * per} leases, no binding")
+        res["leases"] = footprint(kube, args.settle, args.idle, f"{per * per} leases, no policy")
 
-        step(f"policy-layout: the chart's binding over {per * per} leases")
+        step(f"policy-layout: the chart's policies and binding over {per * per} leases")
         t0 = time.monotonic()
         restore_binding(work)
         last = f"lease-{per - 1:05d}"
@@ -544,8 +567,11 @@ def layout(args, kube: Kube, work: Path) -> dict:
         f"{k}_p99_vs_one": (res["bound"][k]["server"]["step_validate"].get("p99") or 0) / base["p99"]
         for k in ("writes_spread", "writes_one_namespace", "webhook_spread") if base.get("p99")}
     res["policy_machinery_rss_mib"] = res["bound"]["apiserver_rss_mib"] - res["leases"]["apiserver_rss_mib"]
-    log(f"policy-layout: validating step p99 / one lease's: {res['ratios']}; the binding over "
-        f"{per * per} leases added {res['policy_machinery_rss_mib']:.0f} MiB RSS to the API server")
+    res["policy_machinery_live_heap_mib"] = (res["bound"]["apiserver_live_heap_mib"]
+                                             - res["leases"]["apiserver_live_heap_mib"])
+    log(f"policy-layout: validating step p99 / one lease's: {res['ratios']}; the policies over "
+        f"{per * per} leases added {res['policy_machinery_live_heap_mib']:.1f} MiB of live heap "
+        f"({res['policy_machinery_rss_mib']:.0f} MiB RSS) to the API server")
     return res
 
 
