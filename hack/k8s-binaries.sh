@@ -143,7 +143,7 @@ build_from_modules() {
   # GOFLAGS from the environment (say -mod=vendor) must not change how these modules resolve;
   # -trimpath keeps the cache's paths out of the binaries.
   export CGO_ENABLED=0 GOFLAGS="-buildvcs=false -trimpath" GO111MODULE=on
-  log "building Kubernetes v$version from the Go modules with $(go version | cut -d' ' -f3) (cold: about 120 MB of modules, then about 15 minutes on 2 cores, 10 of them for kube-apiserver; cached afterwards in $bin)"
+  log "building Kubernetes v$version from the Go modules with $(go version | cut -d' ' -f3) (cold: about 120 MB of modules, then about 6 minutes on 2 cores, 4 of them for kube-apiserver; cached afterwards in $bin)"
 
   # Kubernetes' go.mod tells which staging modules to replace and which etcd it is tested with.
   local kgomod
