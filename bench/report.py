@@ -314,8 +314,9 @@ def policy_layout(d: dict, md: list[str], summary: dict, verdict) -> None:
     heap = "" if live is None else (
         f"{live:+.1f} MiB of the API server's live heap after a forced collection "
         f"({d['leases']['apiserver_live_heap_mib']:.1f} MiB with the leases and no policy, "
-        f"{b['apiserver_live_heap_mib']:.1f} MiB with the policies; readings "
-        f"{d['leases']['apiserver_live_heap_readings_mib']} and {b['apiserver_live_heap_readings_mib']}), ")
+        f"{b['apiserver_live_heap_mib']:.1f} MiB with the policies, the medians of the readings "
+        f"{mib_list(d['leases']['apiserver_live_heap_readings_mib'])} and "
+        f"{mib_list(b['apiserver_live_heap_readings_mib'])}), ")
     md.append(f"\nThe policy machinery over {per * per} leases: {heap}{rss:+.0f} MiB of API server RSS "
               f"({d['leases']['apiserver_rss_mib']:.0f} MiB with the leases and no binding, "
               f"{b['apiserver_rss_mib']:.0f} MiB with the binding), in effect {d['judged_s']:.1f} s after the "
@@ -348,6 +349,11 @@ def policy_layout(d: dict, md: list[str], summary: dict, verdict) -> None:
             live < 50, f"{live:+.1f} MiB of live heap ({rss:+.0f} MiB RSS)",
             "met if the policies add less than 50 MiB to the API server's live heap (after a forced collection; "
             "the policies removed, then restored)")
+
+
+def mib_list(values: list[float]) -> str:
+    """Readings in MiB, one decimal each."""
+    return "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
 
 
 def policy_machinery_live_mib(d: dict) -> float | None:
