@@ -405,9 +405,10 @@ def main() -> None:
     lock = threading.Lock()
     lanes = [Lane(s, i, args.scenario, args, ns, workdir, results, lock) for s, i in lanes_cfg]
     started = time.monotonic()
+    total = len(lanes) * args.trials
+    step(f"{label}: {total} trials")  # the heartbeat names this, not the step before
     for lane in lanes:
         lane.start()
-    total = len(lanes) * args.trials
     last = -1
     while any(lane.is_alive() for lane in lanes):
         time.sleep(1)
