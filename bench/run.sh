@@ -66,7 +66,7 @@
 # so that the next one starts on an API server without their objects.
 #
 # --quick (default): small sizes, about 4 minutes after the builds; checks that every command works and exits 0
-#   whatever the numbers. --full: the sizes of the record (all 21; in the record's runs of
+#   whatever the numbers. --full: the sizes of the record (all 20; in the record's runs of
 #   2026-12-02 the first 17 took 88 minutes after the builds, settling included, and
 #   webhook-sharing 442 s; BENCHMARKS.md has each one's).
 # --no-record (full mode): keep the run in bench/results/full-<time>/ without folding it into the
