@@ -351,6 +351,24 @@ def policy_layout(d: dict, md: list[str], summary: dict, verdict) -> None:
             "the policies removed, then restored)")
 
 
+def loaded_failover_rows(row: dict, md: list[str]) -> None:
+    """The table of a failover run under load: each measure per system (a system without a
+    takeover gets an empty failover row)."""
+    md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+    for k, label in (("failover_s", "signal -> next leader"),
+                     ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
+                     ("first_write_s", "signal -> first accepted fenced write")):
+        for sy in (OURS, PEER):
+            v = row[sy].get(k)
+            if v and v.get("n"):
+                md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
+                          f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | "
+                          f"{v['max']:.3f} |")
+            elif k == "failover_s":
+                md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - | - |")
+
+
 def mib_list(values: list[float]) -> str:
     """Readings in MiB, one decimal each."""
     return "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
@@ -438,17 +456,7 @@ def failover_lists(run: Path, md: list[str], summary: dict, plots: Path) -> None
                   + (f". Every candidate through a proxy adding {delay:g} ms each way" if delay
                      else ". The candidates reach the API server straight, as the harness does")
                   + ". Seconds; failed trials are counted, not dropped.\n")
-        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|")
-        for k, label in (("failover_s", "signal -> next leader"),
-                         ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
-                         ("first_write_s", "signal -> first accepted fenced write")):
-            for sy in (OURS, PEER):
-                v = row[sy].get(k)
-                if v and v.get("n"):
-                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
-                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | "
-                              f"{v['max']:.3f} |")
+        loaded_failover_rows(row, md)
         row["attribution"] = attribution_md(d, md)
         summary["failover_lists"][sc] = row
         late = {sy: [t["lateness_s"] for t in d["trials"] if t["system"] == sy and t.get("lateness_s") is not None]
@@ -657,19 +665,7 @@ def main() -> None:
                      + "); the harness reads the lease straight" if pr else
                      ". The candidates reach the API server straight, as the harness does")
                   + ". Seconds; failed trials are counted, not dropped.\n")
-        md.append("| measure | system | trials ok | failed | n | p50 | p90 | p99 | p99 95 % interval | max |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|")
-        for k, label in (("failover_s", "signal -> next leader"),
-                         ("lateness_s", "after the lease ran out: next leader - (last renewal + lease)"),
-                         ("first_write_s", "signal -> first accepted fenced write")):
-            for sy in (OURS, PEER):
-                v = row[sy].get(k)
-                if v and v.get("n"):
-                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | {v['n']} | "
-                              f"{v['p50']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | {ci_cell(v['p99_ci95'])} | "
-                              f"{v['max']:.3f} |")
-                elif k == "failover_s":
-                    md.append(f"| {label} | {sy} | {row[sy]['trials_ok']} | {row[sy]['trials_failed']} | 0 | - | - | - | - | - |")
+        loaded_failover_rows(row, md)
         rr = row["lateness_ratio_peer_over_ours"]
         md.append(f"| ratio client-go / fencedlease (after the lease ran out) | | | | | {rr['p50']} | | {rr['p99']} | | |")
         row["attribution"] = attribution_md(d, md)
